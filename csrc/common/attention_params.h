@@ -1,0 +1,62 @@
+// Plain description of one attention call, filled once by the FFI boundary (csrc/ffi) and read by every
+// kernel family (CPU, sm80, sm90). No templates, no framework types: the kernels never see XLA.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash {
+
+enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Layout BSHD, contiguous: q/o [batch, seqlen_q, heads_q, head_dim], k/v [batch, seqlen_k, heads_kv, head_dim],
+// lse [batch, heads_q, seqlen_q] float32. `batch` is every leading axis folded together (vmap adds axes).
+struct AttentionParams {
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+  ElementType element_type = ElementType::kFloat32;
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+
+  // Optional per-batch operands; nullptr when absent.
+  const float* alibi_slopes = nullptr;      // [batch, heads_q]
+  const int32_t* q_seqlens = nullptr;       // [batch]: valid prefix length of each query row
+  const int32_t* kv_seqlens = nullptr;      // [batch]
+  const int32_t* q_segment_ids = nullptr;   // [batch, seqlen_q]
+  const int32_t* kv_segment_ids = nullptr;  // [batch, seqlen_k]
+
+  float softmax_scale = 1.0f;
+  float softcap = 0.0f;  // 0 disables; else s = softcap * tanh(s / softcap)
+
+  // Masking by position. Query row i is "at" key column diag(i) = i + diagonal_offset, plus
+  // (seqlen_k_b - seqlen_q_b) when align_to_sequence_end (FlashAttention's bottom-right convention; the
+  // per-sequence lengths come from q_seqlens/kv_seqlens when given). Causal keeps j <= diag(i); a window keeps
+  // diag(i) - window_left <= j <= diag(i) + window_right, -1 meaning unbounded. ALiBi subtracts
+  // slope * |diag(i) - j|.
+  bool causal = false;
+  bool align_to_sequence_end = true;
+  int64_t diagonal_offset = 0;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+};
+
+struct AttentionBackwardParams : AttentionParams {
+  const void* d_o = nullptr;       // like o
+  const float* d_lse = nullptr;    // like lse: cotangent of the lse output (zeros when lse is not used)
+  void* dq = nullptr;              // like q
+  void* dk = nullptr;              // like k
+  void* dv = nullptr;              // like v
+  // Workspaces, allocated by XLA as extra results of the call (never the FFI scratch allocator).
+  float* dq_accum = nullptr;       // [batch, seqlen_q, heads_q, head_dim] float32
+  float* softmax_d = nullptr;      // [batch, heads_q, seqlen_q] float32: rowsum(dO * O) - dlse
+  bool deterministic = false;      // bit-reproducible gradients
+};
+
+}  // namespace jax_flash

@@ -1,0 +1,86 @@
+// The per-element score pipeline shared by every kernel family, so that the CPU specification and the CUDA
+// kernels cannot drift apart: scale -> softcap -> ALiBi -> position/length/segment masks.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_params.h"
+
+#if defined(__CUDACC__)
+#define JF_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JF_HOST_DEVICE inline
+#endif
+
+namespace jax_flash {
+
+// Everything needed to mask one (batch, head) slice, resolved once per slice.
+struct SliceMask {
+  int64_t valid_q = 0;        // rows at or past this are padding (fully masked)
+  int64_t valid_k = 0;        // columns at or past this are padding
+  int64_t diagonal_shift = 0; // diag(i) = i + diagonal_shift
+  int64_t window_left = -1;   // -1: unbounded
+  int64_t window_right = -1;  // -1: unbounded (causal forces 0)
+  float alibi_slope = 0.0f;
+  const int32_t* q_segment_ids = nullptr;  // this batch row's ids, or nullptr
+  const int32_t* kv_segment_ids = nullptr;
+
+  // First and one-past-last key column that row i can see by position alone (segments aside).
+  JF_HOST_DEVICE int64_t key_begin(int64_t i) const {
+    if (window_left < 0) return 0;
+    const int64_t b = i + diagonal_shift - window_left;
+    return b > 0 ? b : 0;
+  }
+  JF_HOST_DEVICE int64_t key_end(int64_t i) const {
+    if (i >= valid_q) return 0;
+    if (window_right < 0) return valid_k;
+    const int64_t e = i + diagonal_shift + window_right + 1;
+    return e < valid_k ? (e > 0 ? e : 0) : valid_k;
+  }
+  JF_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
+    if (j < key_begin(i) || j >= key_end(i)) return false;
+    if (q_segment_ids != nullptr && q_segment_ids[i] != kv_segment_ids[j]) return false;
+    return true;
+  }
+};
+
+JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, int64_t h) {
+  SliceMask m;
+  m.valid_q = p.q_seqlens ? p.q_seqlens[b] : p.seqlen_q;
+  m.valid_k = p.kv_seqlens ? p.kv_seqlens[b] : p.seqlen_k;
+  if (m.valid_q > p.seqlen_q) m.valid_q = p.seqlen_q;
+  if (m.valid_k > p.seqlen_k) m.valid_k = p.seqlen_k;
+  if (m.valid_q < 0) m.valid_q = 0;
+  if (m.valid_k < 0) m.valid_k = 0;
+  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? m.valid_k - m.valid_q : 0);
+  m.window_left = p.window_left;
+  // Causal is the window's right edge pinned to the diagonal.
+  m.window_right = p.causal ? 0 : p.window_right;
+  m.alibi_slope = p.alibi_slopes ? p.alibi_slopes[b * p.heads_q + h] : 0.0f;
+  if (p.q_segment_ids != nullptr) {
+    m.q_segment_ids = p.q_segment_ids + b * p.seqlen_q;
+    m.kv_segment_ids = p.kv_segment_ids + b * p.seqlen_k;
+  }
+  return m;
+}
+
+// Raw dot product -> score before masking. Also returns d(score)/d(scaled dot) for the backward (softcap).
+JF_HOST_DEVICE float transform_score(float dot, float softmax_scale, float softcap, float alibi_slope,
+                                      int64_t i, int64_t j, int64_t diagonal_shift, float* dscore_ddot) {
+  float s = dot * softmax_scale;
+  float grad = 1.0f;
+  if (softcap > 0.0f) {
+    const float t = tanhf(s / softcap);
+    s = softcap * t;
+    grad = 1.0f - t * t;
+  }
+  if (alibi_slope != 0.0f) {
+    const int64_t dist = i + diagonal_shift - j;
+    s -= alibi_slope * static_cast<float>(dist < 0 ? -dist : dist);
+  }
+  if (dscore_ddot) *dscore_ddot = grad;
+  return s;
+}
+
+}  // namespace jax_flash
