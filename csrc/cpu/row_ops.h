@@ -1,0 +1,27 @@
+// Row-wise steps of the CPU kernels: turning a row of raw dot products into masked scores, and the
+// exponentials of the softmax (a vectorisable polynomial exp, since libm's expf would dominate the run time).
+#pragma once
+
+#include <cstdint>
+
+#include "../common/score_pipeline.h"
+
+namespace jax_flash::cpu {
+
+struct ScoreSettings {
+  float softmax_scale;
+  float softcap;
+};
+
+// scores[c] = score of query row i against key j0 + c for c < tile_cols, -inf where masked (and for
+// c >= valid_cols). `dots` may alias `scores`. When softcap_grad is not null it receives d score / d(scaled dot).
+void score_row(const SliceMask& mask, const ScoreSettings& settings, int64_t i, int64_t j0, int64_t valid_cols,
+               int64_t tile_cols, const float* dots, float* scores, float* softcap_grad);
+
+// row[c] = exp(row[c] - shift) in place for c < n; returns the sum. exp(-inf) is exactly 0.
+float exp_shifted_and_sum(float* row, int64_t n, float shift);
+
+// Largest element of row[0..n), -inf for an all -inf row.
+float row_max(const float* row, int64_t n);
+
+}  // namespace jax_flash::cpu

@@ -1,0 +1,129 @@
+#include "attention_call.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "buffer_checks.h"
+
+namespace jax_flash::ffi_boundary {
+namespace {
+
+#define JF_RETURN_IF_ERROR(expr)                  \
+  do {                                            \
+    if (auto error = (expr)) return *std::move(error); \
+  } while (0)
+
+ffi::Error invalid(const std::string& message) { return ffi::Error::InvalidArgument("jax_flash: " + message); }
+
+bool to_element_type(ffi::DataType type, ElementType* out) {
+  switch (type) {
+    case ffi::DataType::F32: *out = ElementType::kFloat32; return true;
+    case ffi::DataType::BF16: *out = ElementType::kBFloat16; return true;
+    case ffi::DataType::F16: *out = ElementType::kFloat16; return true;
+    default: return false;
+  }
+}
+
+// Checks q/k/v/o/lse and the optional operands, and fills everything but the backward fields.
+ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
+                         ffi::AnyBuffer o, ffi::AnyBuffer lse, const ScoreAttributes& a, AttentionParams* p) {
+  const auto q_dims = q.dimensions();
+  if (q_dims.size() < 4) return invalid("q must have rank >= 4 ([*batch, seqlen_q, heads_q, head_dim]), got " +
+                                        format_dims(q_dims));
+  if (k.dimensions().size() != q_dims.size())
+    return invalid("k must have the rank of q, got " + format_dims(k.dimensions()));
+  const std::vector<int64_t> batch = batch_prefix(q);
+  const auto k_dims = k.dimensions();
+  const int64_t rank = static_cast<int64_t>(q_dims.size());
+  const int64_t seqlen_q = q_dims[rank - 3], heads_q = q_dims[rank - 2], head_dim = q_dims[rank - 1];
+  const int64_t seqlen_k = k_dims[rank - 3], heads_kv = k_dims[rank - 2];
+  if (!to_element_type(q.element_type(), &p->element_type))
+    return invalid("q must be float32, bfloat16 or float16");
+  if (heads_kv <= 0 || heads_q % heads_kv != 0)
+    return invalid("heads_q (" + std::to_string(heads_q) + ") must be a positive multiple of heads_kv (" +
+                   std::to_string(heads_kv) + ")");
+  JF_RETURN_IF_ERROR(expect_buffer("k", k, q.element_type(), batch, {seqlen_k, heads_kv, head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("v", v, q.element_type(), batch, {seqlen_k, heads_kv, head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("o", o, q.element_type(), batch, {seqlen_q, heads_q, head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("lse", lse, ffi::DataType::F32, batch, {heads_q, seqlen_q}));
+
+  bool has_alibi, has_q_seqlens, has_kv_seqlens, has_q_segments, has_kv_segments;
+  JF_RETURN_IF_ERROR(
+      expect_optional("alibi_slopes", masks.alibi_slopes, ffi::DataType::F32, batch, heads_q, &has_alibi));
+  JF_RETURN_IF_ERROR(expect_optional("q_seqlens", masks.q_seqlens, ffi::DataType::S32, batch, 1, &has_q_seqlens));
+  JF_RETURN_IF_ERROR(
+      expect_optional("kv_seqlens", masks.kv_seqlens, ffi::DataType::S32, batch, 1, &has_kv_seqlens));
+  JF_RETURN_IF_ERROR(expect_optional("q_segment_ids", masks.q_segment_ids, ffi::DataType::S32, batch, seqlen_q,
+                                     &has_q_segments));
+  JF_RETURN_IF_ERROR(expect_optional("kv_segment_ids", masks.kv_segment_ids, ffi::DataType::S32, batch, seqlen_k,
+                                     &has_kv_segments));
+  if (has_q_segments != has_kv_segments) return invalid("q_segment_ids and kv_segment_ids go together");
+
+  if (!std::isfinite(a.softmax_scale)) return invalid("softmax_scale must be finite");
+  if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) return invalid("softcap must be finite and >= 0");
+  if (a.window_left < -1 || a.window_right < -1) return invalid("window sizes must be >= -1");
+
+  int64_t batch_size = 1;
+  for (int64_t d : batch) batch_size *= d;
+  p->batch = batch_size;
+  p->seqlen_q = seqlen_q;
+  p->seqlen_k = seqlen_k;
+  p->heads_q = heads_q;
+  p->heads_kv = heads_kv;
+  p->head_dim = head_dim;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->o = o.untyped_data();
+  p->lse = static_cast<float*>(lse.untyped_data());
+  p->alibi_slopes = has_alibi ? static_cast<const float*>(masks.alibi_slopes.untyped_data()) : nullptr;
+  p->q_seqlens = has_q_seqlens ? static_cast<const int32_t*>(masks.q_seqlens.untyped_data()) : nullptr;
+  p->kv_seqlens = has_kv_seqlens ? static_cast<const int32_t*>(masks.kv_seqlens.untyped_data()) : nullptr;
+  p->q_segment_ids = has_q_segments ? static_cast<const int32_t*>(masks.q_segment_ids.untyped_data()) : nullptr;
+  p->kv_segment_ids = has_kv_segments ? static_cast<const int32_t*>(masks.kv_segment_ids.untyped_data()) : nullptr;
+  p->softmax_scale = a.softmax_scale;
+  p->softcap = a.softcap;
+  p->causal = a.causal;
+  p->align_to_sequence_end = a.align_to_sequence_end;
+  p->diagonal_offset = a.diagonal_offset;
+  p->window_left = a.window_left;
+  p->window_right = a.window_right;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
+                          ffi::AnyBuffer o, ffi::AnyBuffer lse, const ScoreAttributes& attributes,
+                          AttentionParams* params) {
+  return decode_common(q, k, v, masks, o, lse, attributes, params);
+}
+
+ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks, const BackwardResults& out,
+                           const ScoreAttributes& attributes, bool deterministic, AttentionBackwardParams* p) {
+  ffi::Error error = decode_common(in.q, in.k, in.v, masks, in.o, in.lse, attributes, p);
+  if (error.failure()) return error;
+  const std::vector<int64_t> batch = batch_prefix(in.q);
+  const auto type = in.q.element_type();
+  JF_RETURN_IF_ERROR(expect_buffer("d_o", in.d_o, type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("d_lse", in.d_lse, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
+  JF_RETURN_IF_ERROR(expect_buffer("dq", out.dq, type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("dk", out.dk, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch,
+                                   {p->seqlen_q, p->heads_q, p->head_dim}));
+  JF_RETURN_IF_ERROR(
+      expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
+  p->d_o = in.d_o.untyped_data();
+  p->d_lse = static_cast<const float*>(in.d_lse.untyped_data());
+  p->dq = out.dq.untyped_data();
+  p->dk = out.dk.untyped_data();
+  p->dv = out.dv.untyped_data();
+  p->dq_accum = static_cast<float*>(out.dq_accum.untyped_data());
+  p->softmax_d = static_cast<float*>(out.softmax_d.untyped_data());
+  p->deterministic = deterministic;
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_flash::ffi_boundary

@@ -1,0 +1,34 @@
+// Re-checking the buffers XLA hands a handler. The Python layer validates first; these checks make sure a
+// raw call of the custom-call target with inconsistent buffers is an ffi::Error, never an out-of-bounds access.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash::ffi_boundary {
+
+namespace ffi = xla::ffi;
+
+// "[2, 3, 4]", for messages.
+std::string format_dims(ffi::Span<const int64_t> dims);
+
+// The leading (batch) axes of a rank >= 4 tensor; vmap folds into them.
+std::vector<int64_t> batch_prefix(const ffi::AnyBuffer& tensor);
+
+// An error naming `name` unless `buffer` has this element type and dimensions batch_dims + trailing.
+std::optional<ffi::Error> expect_buffer(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
+                                        const std::vector<int64_t>& batch_dims,
+                                        std::initializer_list<int64_t> trailing);
+
+// An optional operand: present when its last axis is `present_size`, absent when it is 0 (the Python layer
+// passes a zero-size placeholder so that every call has the same operands).
+std::optional<ffi::Error> expect_optional(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
+                                          const std::vector<int64_t>& batch_dims, int64_t present_size,
+                                          bool* present);
+
+}  // namespace jax_flash::ffi_boundary

@@ -1,0 +1,48 @@
+// CPU handlers: decode and re-check the buffers, then run the C++ specification kernels.
+#include "../cpu/attention_cpu.h"
+#include "attention_call.h"
+#include "handlers.h"
+
+namespace jax_flash::ffi_boundary {
+namespace {
+
+ffi::Error forward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer alibi_slopes,
+                       ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
+                       int64_t diagonal_offset, int64_t window_left, int64_t window_right) {
+  AttentionParams params;
+  ffi::Error error = decode_forward(
+      q, k, v, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids}, *o, *lse,
+      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right}, &params);
+  if (error.failure()) return error;
+  cpu::attention_forward(params);
+  return ffi::Error::Success();
+}
+
+ffi::Error backward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer d_o, ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer q_segment_ids,
+                        ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> softmax_d,
+                        float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
+                        int64_t diagonal_offset, int64_t window_left, int64_t window_right, bool deterministic) {
+  AttentionBackwardParams params;
+  ffi::Error error = decode_backward(
+      {q, k, v, o, lse, d_o, d_lse}, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids},
+      {*dq, *dk, *dv, *dq_accum, *softmax_d},
+      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right},
+      deterministic, &params);
+  if (error.failure()) return error;
+  cpu::attention_backward(params);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_flash::ffi_boundary
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCpu, jax_flash::ffi_boundary::forward_cpu,
+                              jax_flash::ffi_boundary::bind_forward(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCpu, jax_flash::ffi_boundary::backward_cpu,
+                              jax_flash::ffi_boundary::bind_backward(xla::ffi::Ffi::Bind()));

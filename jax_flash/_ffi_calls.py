@@ -1,0 +1,59 @@
+"""The two custom calls, as JAX functions of arrays. Result shapes are declared up front (ShapeDtypeStruct),
+so eval_shape, jit and jax.export work without running anything; vmap folds mapped axes into the batch
+(``broadcast_all``: the handlers accept any number of leading batch axes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
+
+
+def _score_attributes(config: ScoreConfig) -> dict[str, object]:
+    return dict(
+        softmax_scale=np.float32(config.softmax_scale),
+        softcap=np.float32(config.softcap),
+        causal=bool(config.causal),
+        align_to_sequence_end=bool(config.align_to_sequence_end),
+        diagonal_offset=np.int64(config.diagonal_offset),
+        window_left=np.int64(config.window_left),
+        window_right=np.int64(config.window_right),
+    )
+
+
+def lse_shape(q: jax.Array) -> tuple[int, ...]:
+    """``[B, Hq, Sq]`` for ``q`` of shape ``[B, Sq, Hq, D]``."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (batch, heads_q, seqlen_q)
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
+            config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+    """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``."""
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape(q), jnp.float32))
+    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
+    o, lse = call(q, k, v, *masks, **_score_attributes(config))
+    return o, lse
+
+
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
+             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+
+    Two extra results are workspaces the kernels need (float32 dQ accumulator, ``rowsum(dO * O) - dlse``);
+    XLA allocates them, so their memory lives as long as the queued kernels.
+    """
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(lse_shape(q), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
+    dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
+                            **_score_attributes(config), deterministic=bool(config.deterministic))
+    return dq, dk, dv

@@ -1,0 +1,124 @@
+"""Argument checks for the public functions. Everything runs at trace time on shapes, dtypes and Python
+values, and every failure names the offending argument."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash._config import MaskOperands
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """Checks ranks, dtypes and the BSHD shape contract of q, k, v."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 ([batch, seqlen, heads, head_dim]), got shape {x.shape}")
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got q {q.shape} and k {k.shape}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got q {q.shape} and k {k.shape}")
+    if q.shape[3] == 0:
+        raise ValueError(f"head_dim must be positive, got q {q.shape}")
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"the number of query heads ({heads_q}, q.shape[2]) must be a positive multiple of the "
+                         f"number of key/value heads ({heads_kv}, k.shape[2])")
+
+
+def static_float(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> float:
+    """A finite Python float from a static argument."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python number, not a traced value")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result}")
+    if minimum is not None and result < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {result}")
+    if positive and result <= 0:
+        raise ValueError(f"{name} must be > 0, got {result}")
+    return result
+
+
+def static_bool(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def window(name: str, value: object) -> tuple[int, int]:
+    """(left, right) with -1 for unbounded."""
+    if value is None:
+        return (-1, -1)
+    if not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair (left, right), got {value!r}")
+    result = []
+    for side in value:
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"{name} entries must be integers, got {value!r}")
+        if side < -1:
+            raise ValueError(f"{name} entries must be >= 0, or -1 for unbounded, got {value!r}")
+        result.append(int(side))
+    return (result[0], result[1])
+
+
+def _integer_array(name: str, value: object, shape: tuple[int, ...]) -> jax.Array:
+    array = jnp.asarray(value)
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {array.dtype}")
+    if array.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+    return array.astype(jnp.int32)
+
+
+def mask_operands(q: jax.Array, k: jax.Array, *, alibi_slopes: object, q_seqlens: object, kv_seqlens: object,
+                  q_segment_ids: object, kv_segment_ids: object) -> MaskOperands:
+    """Checks the optional per-batch operands and brings them to the kernels' normalised form."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    absent_int = jnp.zeros((batch, 0), jnp.int32)
+
+    if alibi_slopes is None:
+        alibi = jnp.zeros((batch, 0), jnp.float32)
+    else:
+        alibi = jnp.asarray(alibi_slopes)
+        if not jnp.issubdtype(alibi.dtype, jnp.floating):
+            raise TypeError(f"alibi_slopes must have a floating dtype, got {alibi.dtype}")
+        if alibi.shape == (heads_q,):
+            alibi = jnp.broadcast_to(alibi, (batch, heads_q))
+        elif alibi.shape != (batch, heads_q):
+            raise ValueError(f"alibi_slopes must have shape [heads_q] = ({heads_q},) or [batch, heads_q] = "
+                             f"({batch}, {heads_q}), got {alibi.shape}")
+        alibi = alibi.astype(jnp.float32)
+
+    def seqlens(name: str, value: object) -> jax.Array:
+        if value is None:
+            return absent_int
+        return _integer_array(name, value, (batch,))[:, None]
+
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if q_segment_ids is None:
+        q_segments, kv_segments = absent_int, absent_int
+    else:
+        q_segments = _integer_array("q_segment_ids", q_segment_ids, (batch, seqlen_q))
+        kv_segments = _integer_array("kv_segment_ids", kv_segment_ids, (batch, seqlen_k))
+
+    return MaskOperands(alibi, seqlens("q_seqlens", q_seqlens), seqlens("kv_seqlens", kv_seqlens), q_segments,
+                        kv_segments)
