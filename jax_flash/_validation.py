@@ -15,14 +15,15 @@ from jax_flash._config import MaskOperands
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-    """Checks ranks, dtypes and the BSHD shape contract of q, k, v."""
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, allow_float64: bool = False) -> None:
+    """Checks ranks, dtypes and the BSHD shape contract of q, k, v (float64 only for the reference path)."""
+    allowed = SUPPORTED_DTYPES + ((jnp.dtype(jnp.float64),) if allow_float64 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 ([batch, seqlen, heads, head_dim]), got shape {x.shape}")
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(x.dtype) not in allowed:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")

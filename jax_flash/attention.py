@@ -97,7 +97,7 @@ def attention(
       return_lse: also return the log-sum-exp of each row's scores, ``[batch, heads_q, seqlen_q]`` float32
         (differentiable).
       implementation: ``None`` for the jax_flash kernels of the current platform, ``"xla"`` for the pure-JAX
-        reference path (materialises the score matrix).
+        reference path (materialises the score matrix; also accepts float64).
 
     Returns:
       ``o`` of shape ``[batch, seqlen_q, heads_q, head_dim]`` in the input dtype, or ``(o, lse)`` when
@@ -109,7 +109,7 @@ def attention(
       >>> jax_flash.attention(q, k, v, causal=True).shape
       (2, 128, 8, 64)
     """
-    _validation.check_qkv(q, k, v)
+    _validation.check_qkv(q, k, v, allow_float64=implementation == "xla")
     head_dim = q.shape[-1]
     scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
              else _validation.static_float("softmax_scale", softmax_scale))

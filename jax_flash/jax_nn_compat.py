@@ -87,7 +87,7 @@ def dot_product_attention(
     unbatched = query.ndim == 3
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    _validation.check_qkv(query, key, value)
+    _validation.check_qkv(query, key, value, allow_float64=implementation == "xla")
 
     softmax_scale = (1.0 / math.sqrt(query.shape[-1]) if scale is None
                      else _validation.static_float("scale", scale))

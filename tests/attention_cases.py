@@ -1,0 +1,121 @@
+"""Shared helpers of the attention tests: random inputs, the float64 oracle and the FA-style error bound.
+
+The bound: the error of a jax_flash result against the float64 reference must be at most twice the error of
+the same-dtype pure-JAX attention (``implementation="xla"``) plus a small absolute tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+ATOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-3, jnp.dtype(jnp.float16): 5e-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    seqlen_q: int = 17
+    seqlen_k: int = 17
+    heads_q: int = 4
+    heads_kv: int = 2
+    head_dim: int = 16
+    dtype: Any = jnp.float32
+    seed: int = 0
+
+    def inputs(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Fresh random q, k, v (never zeros)."""
+        kq, kk, kv = jax.random.split(jax.random.key(self.seed), 3)
+        q = jax.random.normal(kq, (self.batch, self.seqlen_q, self.heads_q, self.head_dim), jnp.float32)
+        k = jax.random.normal(kk, (self.batch, self.seqlen_k, self.heads_kv, self.head_dim), jnp.float32)
+        v = jax.random.normal(kv, (self.batch, self.seqlen_k, self.heads_kv, self.head_dim), jnp.float32)
+        return q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype)
+
+
+def feature_kwargs(feature: str, case: Case) -> dict[str, Any]:
+    """Keyword arguments of jax_flash.attention that exercise one masking feature."""
+    rng = np.random.default_rng(case.seed + 7)
+    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+    if feature == "none":
+        return {}
+    if feature == "causal":
+        return {"causal": True}
+    if feature == "window":
+        return {"window_size": (5, 3)}
+    if feature == "window_left_causal":
+        return {"window_size": (4, -1), "causal": True}
+    if feature == "softcap":
+        return {"softcap": 2.0, "softmax_scale": 0.7}
+    if feature == "alibi":
+        return {"alibi_slopes": jnp.asarray(rng.uniform(0.05, 0.5, (case.heads_q,)), jnp.float32)}
+    if feature == "alibi_batched_causal":
+        return {"alibi_slopes": jnp.asarray(rng.uniform(0.05, 0.5, (b, case.heads_q)), jnp.float32),
+                "causal": True}
+    if feature == "seqlens":
+        return {"q_seqlens": jnp.asarray(rng.integers(0, sq + 1, (b,)), jnp.int32),
+                "kv_seqlens": jnp.asarray(rng.integers(1, sk + 1, (b,)), jnp.int32)}
+    if feature == "seqlens_causal":
+        return {"q_seqlens": jnp.asarray(rng.integers(1, sq + 1, (b,)), jnp.int32),
+                "kv_seqlens": jnp.asarray(rng.integers(1, sk + 1, (b,)), jnp.int32), "causal": True}
+    if feature == "segments":
+        return {"q_segment_ids": jnp.asarray(np.sort(rng.integers(0, 3, (b, sq)), axis=1), jnp.int32),
+                "kv_segment_ids": jnp.asarray(np.sort(rng.integers(0, 3, (b, sk)), axis=1), jnp.int32)}
+    if feature == "everything":
+        return {"causal": True, "window_size": (6, -1), "softcap": 3.0,
+                "alibi_slopes": jnp.asarray(rng.uniform(0.05, 0.3, (case.heads_q,)), jnp.float32),
+                "kv_seqlens": jnp.asarray(rng.integers(1, sk + 1, (b,)), jnp.int32),
+                "q_segment_ids": jnp.asarray(np.sort(rng.integers(0, 2, (b, sq)), axis=1), jnp.int32),
+                "kv_segment_ids": jnp.asarray(np.sort(rng.integers(0, 2, (b, sk)), axis=1), jnp.int32)}
+    raise ValueError(feature)
+
+
+FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi", "alibi_batched_causal",
+            "seqlens", "seqlens_causal", "segments", "everything")
+
+
+def oracle(q, k, v, **kwargs):
+    """(o, lse) of the pure-JAX reference evaluated in float64."""
+    with jax.enable_x64(True):
+        o, lse = jax_flash.attention(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), implementation="xla",
+                                     return_lse=True, **kwargs)
+        return np.asarray(o), np.asarray(lse)
+
+
+def oracle_grads(q, k, v, d_o, **kwargs):
+    """Gradients of sum(o * d_o) of the float64 reference with respect to q, k, v."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        weights = jnp.asarray(d_o, jnp.float64)
+        loss = lambda q_, k_, v_: jnp.sum(jax_flash.attention(q_, k_, v_, implementation="xla", **kwargs) * weights)
+        return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(*args)]
+
+
+def grads(q, k, v, d_o, implementation=None, **kwargs):
+    loss = lambda q_, k_, v_: jnp.sum(
+        (jax_flash.attention(q_, k_, v_, implementation=implementation, **kwargs) * d_o).astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def max_error(x, reference) -> float:
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    reference = np.asarray(reference, np.float64)
+    finite = np.isfinite(reference)
+    assert np.array_equal(np.isfinite(x), finite), "non-finite entries differ from the reference"
+    assert np.array_equal(x[~finite], reference[~finite]), "infinite entries differ from the reference"
+    return float(np.max(np.abs(x[finite] - reference[finite]), initial=0.0))
+
+
+def assert_within_bound(name: str, ours, xla_same_dtype, reference, dtype, scale: float = 1.0) -> None:
+    """FA-style bound: err(ours) <= 2 * err(xla, same dtype) + atol (atol scaled by the reference magnitude)."""
+    ours_error = max_error(ours, reference)
+    xla_error = max_error(xla_same_dtype, reference)
+    magnitude = max(1.0, float(np.max(np.abs(np.nan_to_num(reference, neginf=0.0)), initial=0.0)))
+    atol = ATOL[jnp.dtype(dtype)] * magnitude * scale
+    assert ours_error <= 2 * xla_error + atol, (
+        f"{name}: error {ours_error:.3e} exceeds 2 x XLA error {xla_error:.3e} + atol {atol:.1e}")
