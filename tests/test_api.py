@@ -1,0 +1,174 @@
+"""Transformations (jit, vmap, eval_shape, export), argument validation and the raw FFI targets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _registration
+from attention_cases import Case
+
+
+def _inputs(**overrides):
+    return Case(**{"seqlen_q": 19, "seqlen_k": 23, **overrides}).inputs()
+
+
+def test_jit_matches_eager():
+    q, k, v = _inputs()
+    f = lambda *a: jax_flash.attention(*a, causal=True, window_size=(4, -1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(q, k, v)), np.asarray(f(q, k, v)))
+
+
+def test_jitted_training_step():
+    q, k, v = _inputs()
+
+    @jax.jit
+    def step(q_, k_, v_):
+        loss, g = jax.value_and_grad(lambda x: jnp.mean(jax_flash.attention(x, k_, v_, causal=True) ** 2))(q_)
+        return loss, q_ - 0.1 * g
+
+    loss, updated = step(q, k, v)
+    assert np.isfinite(float(loss)) and updated.shape == q.shape
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0), (0, None, None), (2, 2, 2), (1, None, 1)],
+                         ids=("all_mapped", "kv_unmapped", "axis2", "mixed"))
+def test_vmap_matches_loop(in_axes):
+    """vmap over any axis, k/v mapped or not; values and gradients equal a Python loop over the mapped axis."""
+    q, k, v = _inputs()
+    n = 3
+    keys = jax.random.split(jax.random.key(11), 3)
+    stacked = []
+    for x, axis, key in zip((q, k, v), in_axes, keys):
+        if axis is None:
+            stacked.append(x)
+        else:
+            extra = jax.random.normal(key, (n,) + x.shape, x.dtype)
+            stacked.append(jnp.moveaxis(extra, 0, axis))
+    f = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, softcap=3.0)
+    batched = jax.vmap(f, in_axes=in_axes)(*stacked)
+
+    def take(x, axis, i):
+        return x if axis is None else jnp.take(x, i, axis=axis)
+
+    looped = jnp.stack([f(*(take(x, a, i) for x, a in zip(stacked, in_axes))) for i in range(n)])
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(looped), atol=1e-6, rtol=1e-6)
+
+    loss = lambda *a: jnp.sum(jax.vmap(f, in_axes=in_axes)(*a) ** 2)
+    loop_loss = lambda *a: sum(jnp.sum(f(*(take(x, ax, i) for x, ax in zip(a, in_axes))) ** 2) for i in range(n))
+    for g, r in zip(jax.grad(loss, argnums=(0, 1, 2))(*stacked), jax.grad(loop_loss, argnums=(0, 1, 2))(*stacked)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-5)
+
+
+def test_nested_vmap_with_mask_operands():
+    q, k, v = _inputs()
+    seqlens = jnp.array([10, 23], jnp.int32)
+    qq = jnp.stack([jnp.stack([q * (i + j + 1) for j in range(2)]) for i in range(3)])
+    f = lambda q_: jax_flash.attention(q_, k, v, kv_seqlens=seqlens, alibi_slopes=jnp.ones(4) * 0.2)
+    out = jax.vmap(jax.vmap(f))(qq)
+    np.testing.assert_allclose(np.asarray(out[2, 1]), np.asarray(f(qq[2, 1])), atol=1e-6)
+
+
+def test_eval_shape_runs_nothing():
+    q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs())
+    o, lse = jax.eval_shape(lambda *a: jax_flash.attention(*a, return_lse=True), q, k, v)
+    assert o.shape == q.shape and o.dtype == jnp.bfloat16
+    assert lse.shape == (2, 4, 19) and lse.dtype == jnp.float32
+
+
+def test_export_for_cuda_from_cpu():
+    """Lowering for the GPU works on a machine without one; the module calls our targets."""
+    specs = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs()]
+    loss = lambda q_, k_, v_: jnp.sum(jax_flash.attention(q_, k_, v_, causal=True).astype(jnp.float32))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in (_registration.FORWARD_TARGET, _registration.BACKWARD_TARGET)]
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=checks)(*specs)
+    text = exported.mlir_module()
+    assert f"@{_registration.FORWARD_TARGET}" in text
+    assert f"@{_registration.BACKWARD_TARGET}" in text
+    assert exported.platforms == ("cuda",)
+
+
+def _raw_forward(q, k, v, o_shape, lse_shape, masks=None):
+    batch = q.shape[0]
+    masks = masks or [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
+    call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
+                            (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)))
+    return call(q, k, v, *masks, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
+                align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
+                window_right=np.int64(-1))
+
+
+def test_raw_target_accepts_consistent_buffers():
+    q, k, v = _inputs()
+    o, lse = _raw_forward(q, k, v, q.shape, (2, 4, 19))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, softmax_scale=1.0)),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype"])
+def test_raw_target_rejects_inconsistent_buffers(problem):
+    """Calling the custom call directly with bad buffers is an error, never a crash or a bad write."""
+    q, k, v = _inputs()
+    o_shape, lse_shape, masks = q.shape, (2, 4, 19), None
+    if problem == "o_shape":
+        o_shape = (2, 19, 4, 8)
+    elif problem == "lse_shape":
+        lse_shape = (2, 19, 4)
+    elif problem == "k_heads":
+        k = jnp.concatenate([k, k[:, :, :1]], axis=2)
+        v = jnp.concatenate([v, v[:, :, :1]], axis=2)
+    elif problem == "v_shape":
+        v = v[:, :-1]
+    elif problem == "mask_shape":
+        masks = [jnp.zeros((2, 3), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    elif problem == "mask_dtype":
+        masks = [jnp.zeros((2, 0), jnp.float32), jnp.zeros((2, 1), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 3
+    with pytest.raises(Exception, match="jax_flash"):
+        jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks))
+
+
+BAD_ARGUMENTS = [
+    (dict(q=jnp.zeros((2, 3, 4))), ValueError, "q must have rank 4"),
+    (dict(k=jnp.zeros((2, 23, 2, 16), jnp.bfloat16)), TypeError, "share one dtype"),
+    (dict(q=jnp.zeros((2, 19, 4, 16), jnp.int32)), TypeError, "q must be float32"),
+    (dict(k=jnp.zeros((2, 23, 2, 8)), v=jnp.zeros((2, 23, 2, 8))), ValueError, "head_dim"),
+    (dict(k=jnp.zeros((2, 23, 3, 16)), v=jnp.zeros((2, 23, 3, 16))), ValueError, "multiple"),
+    (dict(v=jnp.zeros((2, 22, 2, 16))), ValueError, "k and v must have the same shape"),
+    (dict(window_size=(-2, 3)), ValueError, "window_size"),
+    (dict(window_size=5), TypeError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(q_seqlens=jnp.zeros((3,), jnp.int32)), ValueError, "q_seqlens"),
+    (dict(kv_seqlens=jnp.zeros((2,), jnp.float32)), TypeError, "kv_seqlens"),
+    (dict(q_segment_ids=jnp.zeros((2, 19), jnp.int32)), ValueError, "segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 18), jnp.int32), kv_segment_ids=jnp.zeros((2, 23), jnp.int32)),
+     ValueError, "q_segment_ids"),
+    (dict(alibi_slopes=jnp.zeros((3,))), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=jnp.zeros((4,), jnp.int32)), TypeError, "alibi_slopes"),
+    (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
+    (dict(dropout_rate=0.1), NotImplementedError, "dropout"),
+    (dict(implementation="triton"), ValueError, "implementation"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_ARGUMENTS, ids=[m for _, _, m in BAD_ARGUMENTS])
+def test_bad_arguments_raise_at_trace_time(overrides, error, message):
+    q, k, v = _inputs()
+    args = {"q": q, "k": k, "v": v}
+    kwargs = dict(overrides)
+    for name in ("q", "k", "v"):
+        if name in kwargs:
+            args[name] = kwargs.pop(name)
+    with pytest.raises(error, match=message):
+        jax.eval_shape(lambda: jax_flash.attention(args["q"], args["k"], args["v"], **kwargs))
+
+
+def test_traced_scale_is_rejected():
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match="softmax_scale"):
+        jax.jit(lambda s: jax_flash.attention(q, k, v, softmax_scale=s))(0.5)

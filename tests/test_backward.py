@@ -1,0 +1,98 @@
+"""Gradients of the kernels of the default platform against jax.grad of the float64 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_flash
+from attention_cases import Case, assert_within_bound, feature_kwargs, grads, oracle_grads
+
+GRAD_FEATURES = ("none", "causal", "window", "softcap", "alibi_batched_causal", "seqlens", "seqlens_causal",
+                 "segments", "everything")
+
+
+def check_gradients(case: Case, **kwargs) -> None:
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32).astype(case.dtype)
+    ours = grads(q, k, v, d_o, **kwargs)
+    xla = grads(q, k, v, d_o, implementation="xla", **kwargs)
+    reference = oracle_grads(q, k, v, d_o, **kwargs)
+    for name, g, g_xla, g_ref, x in zip(("dq", "dk", "dv"), ours, xla, reference, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_within_bound(name, g, g_xla, g_ref, case.dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("feature", GRAD_FEATURES)
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("seqlens", ((33, 33), (20, 150), (150, 20)), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_feature_gradients(feature, dtype, seqlens):
+    case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=4, heads_kv=2, head_dim=20, dtype=dtype,
+                seed=3 + len(feature))
+    check_gradients(case, **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("head_dim", (1, 7, 64, 100, 256))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16), ids=lambda d: jnp.dtype(d).name)
+def test_head_dim_gradients(head_dim, dtype):
+    case = Case(seqlen_q=70, seqlen_k=140, heads_q=3, heads_kv=1, head_dim=head_dim, dtype=dtype, seed=head_dim)
+    check_gradients(case, causal=True)
+
+
+@pytest.mark.parametrize("seqlens", ((1, 1), (1, 300), (300, 1), (1000, 1000)), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_long_and_degenerate_gradients(seqlens):
+    case = Case(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=2, heads_kv=1, head_dim=32,
+                dtype=jnp.bfloat16)
+    check_gradients(case, causal=seqlens[0] > 1)
+
+
+def test_lse_is_differentiable():
+    """Cotangents of lse reach dq/dk (ring attention merges partial results through lse)."""
+    case = Case(seqlen_q=40, seqlen_k=50)
+    q, k, v = case.inputs()
+    weights = jax.random.normal(jax.random.key(5), (case.batch, case.heads_q, case.seqlen_q))
+
+    def loss(implementation):
+        def f(q_, k_, v_):
+            o, lse = jax_flash.attention(q_, k_, v_, causal=True, return_lse=True, implementation=implementation)
+            return jnp.sum(o ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * weights)
+        return f
+
+    ours = jax.grad(loss(None), argnums=(0, 1, 2))(q, k, v)
+    reference = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(ours, reference):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(causal=True, softcap=2.0),
+                                    dict(window_size=(3, 2), alibi_slopes=jnp.array([0.3, 0.1]))],
+                         ids=("plain", "causal_softcap", "window_alibi"))
+def test_check_grads_float32(kwargs):
+    """Finite differences against our own backward, on small float32 cases."""
+    case = Case(batch=1, seqlen_q=6, seqlen_k=9, heads_q=2, heads_kv=1, head_dim=5)
+    q, k, v = case.inputs()
+    check_grads(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs), (q, k, v), order=1,
+                modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_fully_masked_rows_have_finite_zero_gradients():
+    case = Case(seqlen_q=12, seqlen_k=8)
+    q, k, v = case.inputs()
+    kwargs = dict(q_seqlens=jnp.array([12, 4], jnp.int32), kv_seqlens=jnp.array([0, 8], jnp.int32))
+    dq, dk, dv = jax.grad(lambda *a: jnp.sum(jax_flash.attention(*a, **kwargs) ** 2), argnums=(0, 1, 2))(q, k, v)
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(dq)[0] == 0) and np.all(np.asarray(dq)[1, 4:] == 0)
+    assert np.all(np.asarray(dk)[0] == 0) and np.all(np.asarray(dv)[0] == 0)
+
+
+def test_gradients_are_deterministic():
+    case = Case(batch=1, seqlen_q=200, seqlen_k=700, heads_q=2, heads_kv=1, dtype=jnp.bfloat16)
+    q, k, v = case.inputs()
+    d_o = jnp.ones_like(q)
+    runs = [[np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o, causal=True, deterministic=True)]
+            for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            np.testing.assert_array_equal(a, b)
