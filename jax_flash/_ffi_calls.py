@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jax_flash._config import MaskOperands, ScoreConfig
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
@@ -24,6 +25,13 @@ def _score_attributes(config: ScoreConfig) -> dict[str, object]:
     )
 
 
+def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.core.ShapedArray:
+    """A result type that inherits ``like``'s ``shard_map`` typing (the mesh axes it varies over): XLA does not
+    infer it for custom calls, and without it gradients inside ``shard_map`` fail the custom-VJP type check."""
+    aval = jax.typeof(like)
+    return aval.update(shape=shape, dtype=dtype, sharding=aval.sharding.update(spec=PartitionSpec()))
+
+
 def lse_shape(q: jax.Array) -> tuple[int, ...]:
     """``[B, Hq, Sq]`` for ``q`` of shape ``[B, Sq, Hq, D]``."""
     batch, seqlen_q, heads_q, _ = q.shape
@@ -33,7 +41,7 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
             config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
     """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``."""
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape(q), jnp.float32))
+    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
     o, lse = call(q, k, v, *masks, **_score_attributes(config))
     return o, lse
@@ -47,11 +55,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     XLA allocates them, so their memory lives as long as the queued kernels.
     """
     results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct(q.shape, jnp.float32),
-        jax.ShapeDtypeStruct(lse_shape(q), jnp.float32),
+        _result(q, q.shape, q.dtype),
+        _result(k, k.shape, k.dtype),
+        _result(v, v.shape, v.dtype),
+        _result(q, q.shape, jnp.float32),
+        _result(q, lse_shape(q), jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
