@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +52,8 @@ ATTENTION_FNS: dict[str, Callable[..., jax.Array]] = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """Model shape; ``dtype`` is the compute dtype (parameters stay float32)."""
+
     vocab_size: int
     seq_len: int
     d_model: int
@@ -144,6 +147,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ar
 
 @dataclasses.dataclass
 class RunResult:
+    """One training run: timings (the first step includes compilation) and losses."""
+
     attention: str
     compile_and_first_step_s: float
     median_step_ms: float
@@ -200,6 +205,10 @@ def parse_args() -> argparse.Namespace:
                         help="compute dtype (parameters stay float32); default bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if "is_causal" not in inspect.signature(nnx.MultiHeadAttention.__call__).parameters:
+        parser.error("needs Flax >= 0.12.8, whose nnx.MultiHeadAttention takes is_causal and num_kv_heads")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step compiles and is timed apart)")
     if "all" in args.attention:
         args.attention = list(ATTENTION_FNS) if on_gpu else ["jax_flash", "flax"]
     if "cudnn" in args.attention and not on_gpu:
