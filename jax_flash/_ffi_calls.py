@@ -25,11 +25,19 @@ def _score_attributes(config: ScoreConfig) -> dict[str, object]:
     )
 
 
-def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.core.ShapedArray:
-    """A result type that inherits ``like``'s ``shard_map`` typing (the mesh axes it varies over): XLA does not
-    infer it for custom calls, and without it gradients inside ``shard_map`` fail the custom-VJP type check."""
+def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
+            dims: tuple[int, ...] | None = None) -> jax.core.ShapedArray:
+    """A result type carrying ``like``'s sharding typing, which XLA does not infer for custom calls: the mesh
+    axes it varies over inside ``shard_map`` (without them, gradients there fail the custom-VJP type check) and,
+    on meshes with explicit axes, its sharding, with result dimension ``i`` sharded like ``like``'s ``dims[i]``.
+    """
     aval = jax.typeof(like)
-    return aval.update(shape=shape, dtype=dtype, sharding=aval.sharding.update(spec=PartitionSpec()))
+    spec = tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
+    spec = PartitionSpec(*(spec[d] for d in (dims or range(len(shape)))))
+    return aval.update(shape=shape, dtype=dtype, sharding=aval.sharding.update(spec=spec))
+
+
+_LSE_DIMS = (0, 2, 1)  # lse [B, Hq, Sq] is sharded like q [B, Sq, Hq, D]'s dimensions 0, 2, 1
 
 
 def lse_shape(q: jax.Array) -> tuple[int, ...]:
@@ -41,7 +49,7 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
             config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
     """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``."""
-    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32))
+    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
     o, lse = call(q, k, v, *masks, **_score_attributes(config))
     return o, lse
@@ -59,7 +67,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
         _result(q, q.shape, jnp.float32),
-        _result(q, lse_shape(q), jnp.float32),
+        _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
