@@ -1,0 +1,71 @@
+// Which tiles of the score matrix a slice mask leaves anything visible in. Kernels skip the other tiles
+// entirely and apply per-element masking only to tiles that straddle a mask boundary.
+#pragma once
+
+#include <cstdint>
+
+#include "../../common/score_pipeline.h"
+
+namespace jax_flash::cuda {
+
+// Tile indices [begin, end); empty when end <= begin.
+struct TileSpan {
+  int begin = 0;
+  int end = 0;
+  JF_HOST_DEVICE bool empty() const { return end <= begin; }
+  JF_HOST_DEVICE int size() const { return end > begin ? end - begin : 0; }
+};
+
+JF_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Key tiles of width `block_n` that rows [row_begin, row_begin + rows) can see. key_begin and key_end are
+// nondecreasing in the row, so the first row's begin and the last valid row's end bound the union.
+JF_HOST_DEVICE TileSpan key_tiles_for_rows(const SliceMask& mask, int64_t row_begin, int rows, int block_n) {
+  int64_t last_row = row_begin + rows - 1;
+  if (last_row >= mask.valid_q) last_row = mask.valid_q - 1;
+  if (last_row < row_begin) return {};
+  const int64_t first_key = mask.key_begin(row_begin);
+  const int64_t end_key = mask.key_end(last_row);
+  if (end_key <= first_key) return {};
+  return {static_cast<int>(first_key / block_n), static_cast<int>(ceil_div(end_key, block_n))};
+}
+
+// Query tiles of height `block_m` with a row that can see a key in [key_begin, key_begin + keys). Row i sees
+// key j iff key_begin(i) <= j < key_end(i); solving both bounds for i gives one contiguous row range.
+JF_HOST_DEVICE TileSpan query_tiles_for_keys(const SliceMask& mask, int64_t key_begin, int keys, int block_m) {
+  int64_t key_end = key_begin + keys;
+  if (key_end > mask.valid_k) key_end = mask.valid_k;
+  if (key_end <= key_begin) return {};
+  int64_t first_row = 0;
+  int64_t end_row = mask.valid_q;
+  if (mask.window_right >= 0) {
+    const int64_t r = key_begin - mask.diagonal_shift - mask.window_right;
+    if (r > first_row) first_row = r;
+  }
+  if (mask.window_left >= 0) {
+    const int64_t r = key_end - mask.diagonal_shift + mask.window_left;
+    if (r < end_row) end_row = r;
+  }
+  if (end_row <= first_row) return {};
+  return {static_cast<int>(first_row / block_m), static_cast<int>(ceil_div(end_row, block_m))};
+}
+
+// Key tiles in which every key is visible to every row in [row_begin, row_begin + rows): they need no
+// per-element mask. The tiles between the last row's first key and the first row's last key.
+JF_HOST_DEVICE TileSpan fully_visible_key_tiles(const SliceMask& mask, int64_t row_begin, int rows, int block_n) {
+  if (mask.q_segment_ids != nullptr || row_begin + rows > mask.valid_q) return {};
+  const int64_t first_key = mask.key_begin(row_begin + rows - 1);
+  const int64_t end_key = mask.key_end(row_begin);
+  if (end_key <= first_key) return {};
+  return {static_cast<int>(ceil_div(first_key, block_n)), static_cast<int>(end_key / block_n)};
+}
+
+// True when every (row, key) of the tile is visible, so the tile needs no per-element mask.
+JF_HOST_DEVICE bool tile_fully_visible(const SliceMask& mask, int64_t row_begin, int rows, int64_t key_begin,
+                                       int keys) {
+  if (mask.q_segment_ids != nullptr) return false;
+  if (row_begin + rows > mask.valid_q) return false;
+  return mask.key_begin(row_begin + rows - 1) <= key_begin && key_begin + keys <= mask.key_end(row_begin);
+}
+
+}  // namespace jax_flash::cuda

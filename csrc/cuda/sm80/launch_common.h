@@ -1,0 +1,44 @@
+// Host-side helpers shared by the sm80 launchers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../../common/attention_params.h"
+
+namespace jax_flash::cuda::sm80 {
+
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// 16-byte cp.async and stores need every row start 16-byte aligned.
+inline bool rows_are_16b_aligned(const AttentionParams& p) {
+  return p.head_dim % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.o);
+}
+
+inline std::string last_launch_error(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return {};
+  return std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+// Opts a kernel into more than the default 48 KiB of dynamic shared memory (not a stream operation, so it is
+// allowed during CUDA graph capture).
+template <class Kernel>
+std::string allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return {};
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
+  return {};
+}
+
+// blockIdx.x carries (tile, head, batch) folded together.
+inline std::string grid_size(int64_t tiles, int64_t heads, int64_t batch, unsigned* grid) {
+  const int64_t blocks = tiles * heads * batch;
+  if (blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
+  *grid = static_cast<unsigned>(blocks);
+  return {};
+}
+
+}  // namespace jax_flash::cuda::sm80

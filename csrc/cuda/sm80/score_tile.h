@@ -1,0 +1,78 @@
+// The shared score pipeline (score_pipeline.h) applied to one accumulator tile of raw q.k dot products.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "../../common/score_pipeline.h"
+#include "fragments.h"
+
+namespace jax_flash::cuda::sm80 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Softcap or ALiBi: scores must be transformed element by element, a compile-time choice (kernels are built
+// both ways) because the transform's registers would otherwise crowd the accumulators of the common case.
+// Without it the tile keeps raw dots and the scale is folded into the exp2 argument.
+__host__ __device__ inline bool transforms_scores(const AttentionParams& p) { return p.softcap > 0.0f || p.alibi_slopes != nullptr; }
+
+// Kernels build one where a tile is scored rather than holding it across their main loop: its fields come from
+// kernel parameters (constant bank) and a few cached loads, and the registers go to the accumulators instead.
+template <bool kTransforms>
+struct ScoreTile {
+  SliceMask mask;
+  float softmax_scale;
+  float softcap;
+
+  __device__ static ScoreTile make(const AttentionParams& p, int64_t batch, int64_t head) {
+    return {make_slice_mask(p, batch, head), p.softmax_scale, p.softcap};
+  }
+  // Multiplier from the tile's units (after apply) to log2-domain logits.
+  __device__ static float to_log2(const AttentionParams& p) {
+    return kTransforms ? kLog2e : p.softmax_scale * kLog2e;
+  }
+
+  // Raw dots -> final scores in place for the tile at (row0, col0); invisible entries become -inf.
+  // Columns are handled as this thread's first column plus a compile-time offset, so the per-element mask test
+  // compares an immediate against two per-row limits.
+  template <bool kCheckMask, class Acc, class Coords>
+  __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0) const {
+    if constexpr (!kCheckMask && !kTransforms) return;
+    auto scores = as_rows_cols(acc);
+    auto score_coords = as_rows_cols(coords);
+    const int64_t first_col = col0 + cute::get<1>(score_coords(0, 0));
+    CUTE_UNROLL
+    for (int r = 0; r < cute::size<0>(scores); ++r) {
+      const int64_t row = row0 + cute::get<0>(score_coords(r, 0));
+      const int begin = clamp_to_int(mask.key_begin(row) - first_col);
+      const int end = clamp_to_int(mask.key_end(row) - first_col);
+      const bool segments = kCheckMask && mask.q_segment_ids != nullptr && row < mask.valid_q;
+      const int32_t* kv_segments = segments ? mask.kv_segment_ids + first_col : nullptr;
+      const int32_t row_segment = segments ? mask.q_segment_ids[row] : 0;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(scores); ++c) {
+        const int offset = cute::get<1>(score_coords(r, c)) - cute::get<1>(score_coords(0, 0));
+        if (kCheckMask && (offset < begin || offset >= end || (segments && kv_segments[offset] != row_segment))) {
+          scores(r, c) = -INFINITY;
+        } else if (kTransforms) {
+          scores(r, c) = transform(scores(r, c), row, first_col + offset, nullptr);
+        }
+      }
+    }
+  }
+
+  // Tile-local column limits: anything outside [-1, 2^30] behaves the same for a tile narrower than 2^30.
+  __device__ static int clamp_to_int(int64_t x) {
+    return static_cast<int>(x < -1 ? -1 : (x > (1 << 30) ? (1 << 30) : x));
+  }
+
+  __device__ __forceinline__ float transform(float dot, int64_t row, int64_t col, float* dscore_ddot) const {
+    return transform_score(dot, softmax_scale, softcap, mask.alibi_slope, row, col, mask.diagonal_shift,
+                           dscore_ddot);
+  }
+};
+
+}  // namespace jax_flash::cuda::sm80
