@@ -19,6 +19,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Without it the tile keeps raw dots and the scale is folded into the exp2 argument.
 __host__ __device__ inline bool transforms_scores(const AttentionParams& p) { return p.softcap > 0.0f || p.alibi_slopes != nullptr; }
 
+struct IgnoreTransform {
+  __device__ void operator()(int, int, float) const {}
+};
+
 // Kernels build one where a tile is scored rather than holding it across their main loop: its fields come from
 // kernel parameters (constant bank) and a few cached loads, and the registers go to the accumulators instead.
 template <bool kTransforms>
@@ -38,8 +42,10 @@ struct ScoreTile {
   // Raw dots -> final scores in place for the tile at (row0, col0); invisible entries become -inf.
   // Columns are handled as this thread's first column plus a compile-time offset, so the per-element mask test
   // compares an immediate against two per-row limits.
-  template <bool kCheckMask, class Acc, class Coords>
-  __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0) const {
+  // With kTransforms, on_transform(r, c, dscore_ddot) sees each visible element's softcap chain-rule factor.
+  template <bool kCheckMask, class Acc, class Coords, class OnTransform = IgnoreTransform>
+  __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
+                        OnTransform on_transform = {}) const {
     if constexpr (!kCheckMask && !kTransforms) return;
     auto scores = as_rows_cols(acc);
     auto score_coords = as_rows_cols(coords);
@@ -58,7 +64,9 @@ struct ScoreTile {
         if (kCheckMask && (offset < begin || offset >= end || (segments && kv_segments[offset] != row_segment))) {
           scores(r, c) = -INFINITY;
         } else if (kTransforms) {
-          scores(r, c) = transform(scores(r, c), row, first_col + offset, nullptr);
+          float dscore_ddot;
+          scores(r, c) = transform(scores(r, c), row, first_col + offset, &dscore_ddot);
+          on_transform(r, c, dscore_ddot);
         }
       }
     }

@@ -1,0 +1,234 @@
+// Backward, main pass: one CTA owns kBlockN keys of one KV head and keeps their dK and dV in registers while it
+// streams every query tile that can see them, for every query head of the GQA group (so dK/dV are summed over
+// the group without per-query-head copies). Per query tile:
+//   S = Q K^T, dP = dO V^T          (scores recomputed; warp grid 2x4)
+//   P = exp(S - lse), dS = P (dP - D)
+//   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
+//   dQ_accum += dS K                (float32 atomics; skipped in deterministic mode, see backward_dq_kernel.h)
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "../../common/attention_params.h"
+#include "../common/block_range.h"
+#include "fragments.h"
+#include "gmem_tile.h"
+#include "kernel_traits.h"
+#include "row_stats.h"
+#include "score_tile.h"
+#include "tensor_offsets.h"
+
+namespace jax_flash::cuda::sm80 {
+
+template <class Traits, bool kTransforms>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dkdv_kernel(const AttentionBackwardParams p, bool vectorized, bool accumulate_dq) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kThreads = Traits::kThreads;
+  using QTile = TileCopy<T, kBlockM, kHeadDim, kThreads, typename Traits::SmemLayoutQ>;
+  using KVTile = TileCopy<T, kBlockN, kHeadDim, kThreads, typename Traits::SmemLayoutKV>;
+
+  extern __shared__ __align__(128) char smem_bytes[];
+  T* smem_k = reinterpret_cast<T*>(smem_bytes);  // K, then dK for the store
+  T* smem_v = smem_k + Traits::kKVElems;          // V, then dV
+  T* smem_q = smem_v + Traits::kKVElems;          // kStages buffers
+  T* smem_do = smem_q + kStages * Traits::kQElems;
+  T* smem_p = smem_do + kStages * Traits::kQElems;
+  T* smem_ds = smem_p + Traits::kPElems;
+
+  const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kBlockN));
+  const BlockCoord cta = decode_block_coord(num_n_blocks, p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = int64_t(cta.block) * kBlockN;
+  const int keys_in_bounds = static_cast<int>(min(int64_t(kBlockN), p.seqlen_k - n0));
+  const BshdShape q_shape = query_shape(p);
+  const BshdShape kv_shape = key_shape(p);
+  const int64_t kv_offset = kv_shape.offset(cta.batch, n0, cta.head);
+
+  // Position masks are the same for every head of the group (only the ALiBi slope differs).
+  const SliceMask group_mask = make_slice_mask(p, cta.batch, cta.head * group);
+  const TileSpan query_tiles = query_tiles_for_keys(group_mask, n0, kBlockN, kBlockM);
+  const int items = static_cast<int>(group) * query_tiles.size();  // (query head, query tile) pairs
+  if (items == 0) {
+    KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
+    KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
+    return;
+  }
+
+  // Load: K and V once, then the first kStages - 1 (Q, dO) tiles.
+  const int valid_keys = static_cast<int>(max(int64_t(0), min(int64_t(kBlockN), group_mask.valid_k - n0)));
+  KVTile::load(smem_k, static_cast<const T*>(p.k) + kv_offset, kv_shape.row_stride(), valid_keys, p.head_dim,
+               vectorized);
+  KVTile::load(smem_v, static_cast<const T*>(p.v) + kv_offset, kv_shape.row_stride(), valid_keys, p.head_dim,
+               vectorized);
+  cp_async_fence();
+  const int valid_q = static_cast<int>(group_mask.valid_q);
+  auto item_head = [&](int item) { return cta.head * group + item / query_tiles.size(); };
+  auto item_row0 = [&](int item) { return int64_t(query_tiles.begin + item % query_tiles.size()) * kBlockM; };
+  auto load_query_tile = [&](int item, int stage) {
+    const int64_t m0 = item_row0(item);
+    const int valid = static_cast<int>(min(int64_t(kBlockM), valid_q - m0));
+    const int64_t offset = q_shape.offset(cta.batch, m0, item_head(item));
+    QTile::load(smem_q + stage * Traits::kQElems, static_cast<const T*>(p.q) + offset, q_shape.row_stride(), valid,
+                p.head_dim, vectorized);
+    QTile::load(smem_do + stage * Traits::kQElems, static_cast<const T*>(p.d_o) + offset, q_shape.row_stride(),
+                valid, p.head_dim, vectorized);
+  };
+  CUTE_UNROLL
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < items) load_query_tile(s, s);
+    cp_async_fence();
+  }
+
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  auto copy_sdp_a = make_tiled_copy_A(Copy_Atom<LdsmCopy, T>{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(Copy_Atom<LdsmCopy, T>{}, mma_sdp);
+  auto copy_dkv_a = make_tiled_copy_A(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dkv);
+  auto copy_dq_a = make_tiled_copy_A(Copy_Atom<LdsmCopy, T>{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dq);
+
+  using LayoutQ = typename Traits::SmemLayoutQ;
+  using LayoutQt = typename Traits::SmemLayoutQt;
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
+  Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutP{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutPt{});
+  auto sQ = [&](int stage) { return make_tensor(make_smem_ptr(smem_q + stage * Traits::kQElems), LayoutQ{}); };
+  auto sdO = [&](int stage) { return make_tensor(make_smem_ptr(smem_do + stage * Traits::kQElems), LayoutQ{}); };
+  auto sQt = [&](int stage) { return make_tensor(make_smem_ptr(smem_q + stage * Traits::kQElems), LayoutQt{}); };
+  auto sdOt = [&](int stage) { return make_tensor(make_smem_ptr(smem_do + stage * Traits::kQElems), LayoutQt{}); };
+
+  Tensor frag_q = thr_sdp.partition_fragment_A(sQ(0));
+  Tensor frag_do = thr_sdp.partition_fragment_A(sdO(0));
+  Tensor frag_k = thr_sdp.partition_fragment_B(sK);
+  Tensor frag_v = thr_sdp.partition_fragment_B(sV);
+  Tensor frag_pt = thr_dkv.partition_fragment_A(sPt);
+  Tensor frag_dst = thr_dkv.partition_fragment_A(sdSt);
+  Tensor frag_dot = thr_dkv.partition_fragment_B(sdOt(0));
+  Tensor frag_qt = thr_dkv.partition_fragment_B(sQt(0));
+  Tensor frag_ds = thr_dq.partition_fragment_A(sdS);
+  Tensor frag_kt = thr_dq.partition_fragment_B(sKt);
+  Tensor smem_k_part = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
+  Tensor smem_v_part = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
+  Tensor smem_pt_part = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
+  Tensor smem_dst_part = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
+  Tensor smem_ds_part = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor smem_kt_part = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
+  auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
+  auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor score_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor dq_coords = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int kRowsPerThread = decltype(size<0>(rows_cols(score_coords.layout())))::value;
+  const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
+
+  // One query tile against this CTA's keys; instantiated with and without the per-element mask.
+  auto accumulate_query_tile = [&](int item, int stage, auto check_mask) __attribute__((always_inline)) {
+    const int64_t head = item_head(item);
+    const int64_t m0 = item_row0(item);
+    RowStats<kRowsPerThread> stats;
+    stats.load(p, cta.batch, head, m0, score_coords);
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_smem_smem(mma_sdp, acc_s, frag_q, frag_k, copy_sdp_a.get_thread_slice(tid).partition_S(sQ(stage)),
+                   smem_k_part, copy_sdp_a, copy_sdp_b);
+    gemm_smem_smem(mma_sdp, acc_dp, frag_do, frag_v, copy_sdp_a.get_thread_slice(tid).partition_S(sdO(stage)),
+                   smem_v_part, copy_sdp_a, copy_sdp_b);
+
+    const auto scorer = ScoreTile<kTransforms>::make(p, cta.batch, head);
+    score_backward_tile<kTransforms, decltype(check_mask)::value>(scorer, acc_s, acc_dp, score_coords, stats, m0,
+                                                                  n0);
+    probabilities_and_score_grads<kTransforms>(as_rows_cols(acc_s), as_rows_cols(acc_dp), stats, to_log2);
+
+    Tensor probs = converted<T>(acc_s);
+    Tensor score_grads = converted<T>(acc_dp);
+    copy(copy_p_out, thr_copy_p_out.retile_S(probs), thr_copy_p_out.partition_D(sP));
+    copy(copy_p_out, thr_copy_p_out.retile_S(score_grads), thr_copy_p_out.partition_D(sdS));
+    __syncthreads();
+
+    gemm_smem_smem(mma_dkv, acc_dv, frag_pt, frag_dot, smem_pt_part,
+                   copy_dkv_b.get_thread_slice(tid).partition_S(sdOt(stage)), copy_dkv_a, copy_dkv_b);
+    gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
+                   copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
+
+    if (accumulate_dq) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_smem_smem(mma_dq, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_dq_a, copy_dq_b);
+      float* dq_rows = p.dq_accum + q_shape.offset(cta.batch, m0, head);
+      const int rows = static_cast<int>(min(int64_t(kBlockM), valid_q - m0));  // dS is 0 past valid_q
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        const int row = get<0>(dq_coords(i));
+        const int col = get<1>(dq_coords(i));
+        if (row < rows && col < p.head_dim) atomicAdd(dq_rows + row * q_shape.row_stride() + col, acc_dq(i));
+      }
+    }
+  };
+
+  for (int item = 0; item < items; ++item) {
+    const int stage = item % kStages;
+    if constexpr (kStages == 1) {
+      __syncthreads();  // everyone is done with the single Q/dO buffer
+      load_query_tile(item, 0);
+      cp_async_fence();
+    }
+    cp_async_wait<(kStages > 1 ? kStages - 2 : 0)>();
+    // This item's Q/dO are in smem for everyone; everyone is done with the previous item's P/dS and with the
+    // stage the prefetch overwrites.
+    __syncthreads();
+    if constexpr (kStages > 1) {
+      if (item + kStages - 1 < items) load_query_tile(item + kStages - 1, (item + kStages - 1) % kStages);
+      cp_async_fence();
+    }
+    const int64_t m0 = item_row0(item);
+    if (tile_fully_visible(group_mask, m0, kBlockM, n0, kBlockN)) {
+      accumulate_query_tile(item, stage, cute::false_type{});
+    } else {
+      accumulate_query_tile(item, stage, cute::true_type{});
+    }
+  }
+
+  // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+  Tensor dk_out = converted<T>(acc_dk);
+  Tensor dv_out = converted<T>(acc_dv);
+  cp_async_wait<0>();
+  __syncthreads();
+  auto copy_kv_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_dkv);
+  auto thr_copy_kv_out = copy_kv_out.get_thread_slice(tid);
+  copy(copy_kv_out, thr_copy_kv_out.retile_S(dk_out), thr_copy_kv_out.partition_D(sK));
+  copy(copy_kv_out, thr_copy_kv_out.retile_S(dv_out), thr_copy_kv_out.partition_D(sV));
+  __syncthreads();
+  KVTile::store(static_cast<T*>(p.dk) + kv_offset, smem_k, kv_shape.row_stride(), keys_in_bounds, p.head_dim,
+                vectorized);
+  KVTile::store(static_cast<T*>(p.dv) + kv_offset, smem_v, kv_shape.row_stride(), keys_in_bounds, p.head_dim,
+                vectorized);
+}
+
+}  // namespace jax_flash::cuda::sm80

@@ -1,0 +1,158 @@
+// Backward, deterministic dQ pass: one CTA owns kBlockM query rows of one head (the forward's shape) and
+// streams the visible key tiles, recomputing S and dP and keeping dQ in registers, so dQ is formed in one fixed
+// order with no atomics. Costs two extra GEMMs per tile compared with the atomic path.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "../../common/attention_params.h"
+#include "../common/block_range.h"
+#include "fragments.h"
+#include "gmem_tile.h"
+#include "kernel_traits.h"
+#include "row_stats.h"
+#include "score_tile.h"
+#include "tensor_offsets.h"
+
+namespace jax_flash::cuda::sm80 {
+
+template <class Traits, bool kTransforms>
+__global__ void __launch_bounds__(Traits::kThreads, 1) dq_kernel(const AttentionBackwardParams p, bool vectorized) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kThreads = Traits::kThreads;
+  using QTile = TileCopy<T, kBlockM, kHeadDim, kThreads, typename Traits::SmemLayoutQ>;
+  using KVTile = TileCopy<T, kBlockN, kHeadDim, kThreads, typename Traits::SmemLayoutKV>;
+
+  extern __shared__ __align__(128) char smem_bytes[];
+  T* smem_q = reinterpret_cast<T*>(smem_bytes);  // Q, then dQ for the store
+  T* smem_do = smem_q + Traits::kQElems;
+  T* smem_k = smem_do + Traits::kQElems;
+  T* smem_v = smem_k + kStages * Traits::kKVElems;
+
+  const int num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, kBlockM));
+  const BlockCoord cta = decode_block_coord(num_m_blocks, p.heads_q);
+  const int m_block = num_m_blocks - 1 - cta.block;
+  const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
+  const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  const int64_t m0 = int64_t(m_block) * kBlockM;
+  const int rows_in_bounds = static_cast<int>(min(int64_t(kBlockM), p.seqlen_q - m0));
+  const BshdShape q_shape = query_shape(p);
+  const BshdShape kv_shape = key_shape(p);
+  const int64_t q_offset = q_shape.offset(cta.batch, m0, cta.head);
+  T* dq_out = static_cast<T*>(p.dq) + q_offset;
+
+  const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
+  if (key_tiles.empty()) {
+    QTile::store_zeros(dq_out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
+    return;
+  }
+
+  const int q_valid_rows = static_cast<int>(max(int64_t(0), min(int64_t(kBlockM), mask.valid_q - m0)));
+  QTile::load(smem_q, static_cast<const T*>(p.q) + q_offset, q_shape.row_stride(), q_valid_rows, p.head_dim,
+              vectorized);
+  QTile::load(smem_do, static_cast<const T*>(p.d_o) + q_offset, q_shape.row_stride(), q_valid_rows, p.head_dim,
+              vectorized);
+  cp_async_fence();
+  const T* k_head = static_cast<const T*>(p.k) + kv_shape.offset(cta.batch, 0, head_kv);
+  const T* v_head = static_cast<const T*>(p.v) + kv_shape.offset(cta.batch, 0, head_kv);
+  const int valid_k = static_cast<int>(mask.valid_k);
+  auto load_key_tile = [&](int n_block, int stage) {
+    const int valid = min(kBlockN, valid_k - n_block * kBlockN);
+    const int64_t offset = int64_t(n_block) * kBlockN * kv_shape.row_stride();
+    KVTile::load(smem_k + stage * Traits::kKVElems, k_head + offset, kv_shape.row_stride(), valid, p.head_dim,
+                 vectorized);
+    KVTile::load(smem_v + stage * Traits::kKVElems, v_head + offset, kv_shape.row_stride(), valid, p.head_dim,
+                 vectorized);
+  };
+  CUTE_UNROLL
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (key_tiles.begin + s < key_tiles.end) load_key_tile(key_tiles.begin + s, s);
+    cp_async_fence();
+  }
+
+  const int tid = threadIdx.x;
+  typename Traits::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(Copy_Atom<LdsmCopy, T>{}, mma);
+  auto copy_b = make_tiled_copy_B(Copy_Atom<LdsmCopy, T>{}, mma);
+  auto copy_bt = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma);
+  auto thr_copy_b = copy_b.get_thread_slice(tid);
+  auto thr_copy_bt = copy_bt.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Traits::SmemLayoutQ{});
+  auto sK = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem_k + stage * Traits::kKVElems), typename Traits::SmemLayoutKV{});
+  };
+  auto sKt = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem_k + stage * Traits::kKVElems), typename Traits::SmemLayoutKVt{});
+  };
+  auto sV = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem_v + stage * Traits::kKVElems), typename Traits::SmemLayoutKV{});
+  };
+  Tensor frag_q = thr_mma.partition_fragment_A(sQ);
+  Tensor frag_do = thr_mma.partition_fragment_A(sdO);
+  Tensor frag_k = thr_mma.partition_fragment_B(sK(0));
+  Tensor frag_v = thr_mma.partition_fragment_B(sV(0));
+  Tensor frag_kt = thr_mma.partition_fragment_B(sKt(0));
+  Tensor smem_q_part = copy_a.get_thread_slice(tid).partition_S(sQ);
+  Tensor smem_do_part = copy_a.get_thread_slice(tid).partition_S(sdO);
+
+  Tensor acc_dq = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  constexpr int kRowsPerThread = decltype(size<0>(rows_cols(coords.layout())))::value;
+  RowStats<kRowsPerThread> stats;
+  stats.load(p, cta.batch, cta.head, m0, coords);
+  const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
+
+  auto accumulate_key_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
+    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_b.partition_S(sK(stage)), copy_a, copy_b);
+    gemm_smem_smem(mma, acc_dp, frag_do, frag_v, smem_do_part, thr_copy_b.partition_S(sV(stage)), copy_a, copy_b);
+    const auto scorer = ScoreTile<kTransforms>::make(p, cta.batch, cta.head);
+    score_backward_tile<kTransforms, decltype(check_mask)::value>(scorer, acc_s, acc_dp, coords, stats, m0,
+                                                                  int64_t(n_block) * kBlockN);
+    probabilities_and_score_grads<kTransforms>(as_rows_cols(acc_s), as_rows_cols(acc_dp), stats, to_log2);
+    Tensor score_grads = converted<T>(acc_dp);
+    Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+    gemm_reg_smem(mma, acc_dq, score_grads_operand, frag_kt, thr_copy_bt.partition_S(sKt(stage)), copy_bt);
+  };
+
+  const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
+  for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
+    const int step = n_block - key_tiles.begin;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (n_block + kStages - 1 < key_tiles.end) load_key_tile(n_block + kStages - 1, (step + kStages - 1) % kStages);
+    cp_async_fence();
+    if (n_block >= interior.begin && n_block < interior.end) {
+      accumulate_key_tile(n_block, step % kStages, cute::false_type{});
+    } else {
+      accumulate_key_tile(n_block, step % kStages, cute::true_type{});
+    }
+  }
+
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
+  Tensor dq_frag = converted<T>(acc_dq);
+  cp_async_wait<0>();
+  __syncthreads();
+  auto copy_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma);
+  auto thr_copy_out = copy_out.get_thread_slice(tid);
+  copy(copy_out, thr_copy_out.retile_S(dq_frag), thr_copy_out.partition_D(sQ));
+  __syncthreads();
+  QTile::store(dq_out, smem_q, q_shape.row_stride(), rows_in_bounds, p.head_dim, vectorized);
+}
+
+}  // namespace jax_flash::cuda::sm80

@@ -1,0 +1,71 @@
+// Host launcher of the backward for one (head dim, element type); instantiated once per generated .cu.
+//   1. softmax_d pre-pass (also zeroes dq_accum when the atomic dQ path is used)
+//   2. dK/dV pass, which also accumulates dQ with float32 atomics unless deterministic
+//   3. deterministic: the dQ pass (no atomics, writes dq); otherwise: dq = dq_accum * scale
+#pragma once
+
+#include <algorithm>
+#include <string>
+
+#include "../../common/attention_params.h"
+#include "../common/block_range.h"
+#include "backward_dkdv_kernel.h"
+#include "backward_dq_kernel.h"
+#include "backward_row_kernels.h"
+#include "kernel_traits.h"
+#include "launch_common.h"
+#include "score_tile.h"
+
+namespace jax_flash::cuda::sm80 {
+
+inline bool backward_rows_are_16b_aligned(const AttentionBackwardParams& p) {
+  return rows_are_16b_aligned(p) && aligned16(p.d_o) && aligned16(p.dq) && aligned16(p.dk) && aligned16(p.dv);
+}
+
+template <int kHeadDim, class Element>
+std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
+  using Traits = BackwardTraits<kHeadDim, Element>;
+  auto kernel = transforms_scores(p) ? dkdv_kernel<Traits, true> : dkdv_kernel<Traits, false>;
+  if (std::string err = allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
+  unsigned grid = 0;
+  if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
+    return err;
+  }
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, vectorized, !p.deterministic);
+  return last_launch_error("sm80 dK/dV kernel launch");
+}
+
+template <int kHeadDim, class Element>
+std::string launch_deterministic_dq(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
+  using Traits = DqTraits<kHeadDim, Element>;
+  constexpr int kSmemBytes = (2 * Traits::kQElems + 2 * Traits::kStages * Traits::kKVElems) * int(sizeof(Element));
+  auto kernel = transforms_scores(p) ? dq_kernel<Traits, true> : dq_kernel<Traits, false>;
+  if (std::string err = allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
+  unsigned grid = 0;
+  if (std::string err = grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid); !err.empty()) {
+    return err;
+  }
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized);
+  return last_launch_error("sm80 deterministic dQ kernel launch");
+}
+
+template <int kHeadDim, class Element>
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  const bool vectorized = backward_rows_are_16b_aligned(p);
+  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
+  const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);
+  if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
+  softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(
+      p, !p.deterministic);
+  if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
+
+  if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
+
+  if (p.deterministic) return launch_deterministic_dq<kHeadDim, Element>(p, vectorized, stream);
+  const int64_t elements = rows * p.head_dim;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(elements, 256), 65536));
+  convert_dq_kernel<Element><<<blocks, 256, 0, stream>>>(p);
+  return last_launch_error("sm80 dq convert kernel launch");
+}
+
+}  // namespace jax_flash::cuda::sm80
