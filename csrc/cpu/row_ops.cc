@@ -1,69 +1,89 @@
 #include "row_ops.h"
 
-#include <cstring>
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define JF_VECTOR_CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define JF_VECTOR_CLONES
-#endif
+#include "simd.h"
 
 namespace jax_flash::cpu {
 namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 by range reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial for e^r
-// (relative error about 2e-7). Below the float range the result is exactly 0, which also covers -inf.
-inline float exp_non_positive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2High = 0.693359375f;  // ln2 split in two so n * kLn2High is exact
-  constexpr float kLn2Low = -2.12194440e-4f;
-  const bool underflow = x < -87.0f;
-  const float clamped = underflow ? -87.0f : x;
-  // Round to nearest by truncating y - 0.5 (y <= 0), which vectorises where nearbyint would not.
-  const float n = static_cast<float>(static_cast<int32_t>(clamped * kLog2e - 0.5f));
-  const float r = (clamped - n * kLn2High) - n * kLn2Low;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &exponent_bits, sizeof(scale));
-  return underflow ? 0.0f : p * scale;
-}
+typedef int32_t Int8 __attribute__((vector_size(32)));
 
 }  // namespace
 
 void score_row(const SliceMask& mask, const ScoreSettings& settings, int64_t i, int64_t j0, int64_t valid_cols,
                int64_t tile_cols, const float* dots, float* scores, float* softcap_grad) {
-  int64_t lo = mask.key_begin(i) - j0;
-  int64_t hi = mask.key_end(i) - j0;
-  if (lo < 0) lo = 0;
-  if (hi > valid_cols) hi = valid_cols;
-  for (int64_t c = 0; c < tile_cols; ++c) {
-    const int64_t j = j0 + c;
-    const bool visible = c >= lo && c < hi &&
-                         (mask.q_segment_ids == nullptr || mask.q_segment_ids[i] == mask.kv_segment_ids[j]);
-    float grad = 0.0f;
-    const float s = visible ? transform_score(dots[c], settings.softmax_scale, settings.softcap, mask.alibi_slope,
-                                              i, j, mask.diagonal_shift, &grad)
-                            : kNegativeInfinity;
-    scores[c] = s;
-    if (softcap_grad) softcap_grad[c] = visible ? grad : 0.0f;
+  const int64_t lo = std::clamp<int64_t>(mask.key_begin(i) - j0, 0, tile_cols);
+  const int64_t hi = std::clamp<int64_t>(std::min(mask.key_end(i) - j0, valid_cols), lo, tile_cols);
+  // Same arithmetic as transform_score (the shared pipeline), split into passes so the common case (scale
+  // only) vectorises; the optional steps run only when enabled.
+  for (int64_t c = lo; c < hi; ++c) scores[c] = dots[c] * settings.softmax_scale;
+  if (settings.softcap > 0.0f) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const float t = std::tanh(scores[c] / settings.softcap);
+      scores[c] = settings.softcap * t;
+      if (softcap_grad) softcap_grad[c] = 1.0f - t * t;
+    }
+  } else if (softcap_grad) {
+    std::fill(softcap_grad + lo, softcap_grad + hi, 1.0f);
+  }
+  if (mask.alibi_slope != 0.0f) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t distance = i + mask.diagonal_shift - (j0 + c);
+      scores[c] -= mask.alibi_slope * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+  }
+  if (mask.q_segment_ids != nullptr) {
+    const int32_t segment = mask.q_segment_ids[i];
+    for (int64_t c = lo; c < hi; ++c)
+      if (mask.kv_segment_ids[j0 + c] != segment) scores[c] = kNegativeInfinity;
+  }
+  std::fill(scores, scores + lo, kNegativeInfinity);
+  std::fill(scores + hi, scores + tile_cols, kNegativeInfinity);
+  if (softcap_grad) {
+    std::fill(softcap_grad, softcap_grad + lo, 0.0f);
+    std::fill(softcap_grad + hi, softcap_grad + tile_cols, 0.0f);
   }
 }
 
+// exp(x) for x <= 0, eight at a time: range reduction x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
+// for e^r (relative error about 2e-7), and 2^n built in the exponent bits. Inputs below -87 (including -inf)
+// give exactly 0.
 JF_VECTOR_CLONES
 float exp_shifted_and_sum(float* row, int64_t n, float shift) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2High = 0.693359375f;  // ln2 split in two so that n * kLn2High is exact
+  constexpr float kLn2Low = -2.12194440e-4f;
+  Float8 sum8 = Float8{} + 0.0f;
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const Float8 x = *reinterpret_cast<const UnalignedFloat8*>(row + c) - shift;
+    const Int8 underflow = x < -87.0f;
+    const Float8 clamped = underflow ? Float8{} - 87.0f : x;
+    // Round to nearest by truncating y - 0.5 for y <= 0.
+    const Int8 n_int = __builtin_convertvector(clamped * kLog2e - 0.5f, Int8);
+    const Float8 n_float = __builtin_convertvector(n_int, Float8);
+    const Float8 r = (clamped - n_float * kLn2High) - n_float * kLn2Low;
+    Float8 p = Float8{} + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const Int8 exponent_bits = (n_int + 127) << 23;
+    const Float8 e = underflow ? Float8{} : p * reinterpret_cast<const Float8&>(exponent_bits);
+    *reinterpret_cast<UnalignedFloat8*>(row + c) = e;
+    sum8 += e;
+  }
   float sum = 0.0f;
-  for (int64_t c = 0; c < n; ++c) {
-    const float e = exp_non_positive(row[c] - shift);
+  for (int lane = 0; lane < 8; ++lane) sum += sum8[lane];
+  for (; c < n; ++c) {
+    const float e = std::exp(row[c] - shift);
     row[c] = e;
     sum += e;
   }
