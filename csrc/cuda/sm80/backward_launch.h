@@ -31,6 +31,7 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaS
   if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
     return err;
   }
+  if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, vectorized, !p.deterministic);
   return last_launch_error("sm80 dK/dV kernel launch");
 }
@@ -45,6 +46,7 @@ std::string launch_deterministic_dq(const AttentionBackwardParams& p, bool vecto
   if (std::string err = grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid); !err.empty()) {
     return err;
   }
+  if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized);
   return last_launch_error("sm80 deterministic dQ kernel launch");
 }
@@ -55,14 +57,17 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
   const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);
   if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
-  softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(
-      p, !p.deterministic);
-  if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
+  if (row_blocks > 0) {
+    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(
+        p, !p.deterministic);
+    if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
+  }
 
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
 
   if (p.deterministic) return launch_deterministic_dq<kHeadDim, Element>(p, vectorized, stream);
   const int64_t elements = rows * p.head_dim;
+  if (elements == 0) return {};
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(elements, 256), 65536));
   convert_dq_kernel<Element><<<blocks, 256, 0, stream>>>(p);
   return last_launch_error("sm80 dq convert kernel launch");

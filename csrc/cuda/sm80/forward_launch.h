@@ -23,6 +23,7 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
       !err.empty()) {
     return err;
   }
+  if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, rows_are_16b_aligned(p));
   return last_launch_error("sm80 forward kernel launch");
 }

@@ -34,15 +34,18 @@ struct TileCopy {
   static constexpr int kPasses = kRows / kRowsPerPass;
   static constexpr int kColumnBlocks = kCols / kAtomCols;
   static_assert(kRows % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "tile must split into whole passes");
-  static_assert(SmemLayout{}(kRowsPerPass + 3, kAtomCols + 8) ==
-                    SmemLayout{}(3, 8) + kRowsPerPass * kAtomCols + kRows * kAtomCols,
-                "smem layout is not the row-stacked swizzle this copy assumes");
+  static constexpr bool steps_match_layout() {
+    const bool rows_ok = kPasses == 1 || SmemLayout{}(kRowsPerPass + 3, 8) == SmemLayout{}(3, 8) + smem_step(1, 0);
+    const bool cols_ok = kColumnBlocks == 1 || SmemLayout{}(3, kAtomCols + 8) == SmemLayout{}(3, 8) + smem_step(0, 1);
+    return rows_ok && cols_ok;
+  }
 
   __device__ static int first_row() { return threadIdx.x / kThreadsPerRow; }
   __device__ static int first_col() { return (threadIdx.x % kThreadsPerRow) * kChunkElems; }
-  __device__ static constexpr int smem_step(int pass, int block) {
+  __host__ __device__ static constexpr int smem_step(int pass, int block) {
     return pass * kRowsPerPass * kAtomCols + block * kRows * kAtomCols;
   }
+  static_assert(steps_match_layout(), "smem layout is not the row-stacked swizzle this copy assumes");
 
   __device__ static void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows, int head_dim,
                               bool vectorized) {

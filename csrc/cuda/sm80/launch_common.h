@@ -33,7 +33,7 @@ std::string allow_dynamic_smem(Kernel kernel, int bytes) {
   return {};
 }
 
-// blockIdx.x carries (tile, head, batch) folded together.
+// blockIdx.x carries (tile, head, batch) folded together; *grid == 0 means there is nothing to launch.
 inline std::string grid_size(int64_t tiles, int64_t heads, int64_t batch, unsigned* grid) {
   const int64_t blocks = tiles * heads * batch;
   if (blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";

@@ -1,0 +1,471 @@
+// Standalone GPU check of run_forward / run_backward against a float64 host reference, without Python or XLA.
+// Fresh random inputs per case, outputs poisoned with NaN before each call, every feature of the score pipeline.
+//   standalone_check            run the case grid; exit status 1 on any failure
+//   standalone_check --small    a few small cases (for compute-sanitizer)
+//   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../common/score_pipeline.h"
+#include "../launch.h"
+
+using jax_flash::AttentionBackwardParams;
+using jax_flash::AttentionParams;
+using jax_flash::ElementType;
+
+namespace {
+
+#define CHECK_CUDA(call)                                                                          \
+  do {                                                                                            \
+    cudaError_t err_ = (call);                                                                    \
+    if (err_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+struct Case {
+  std::string name;
+  int64_t batch = 1, seqlen_q = 64, seqlen_k = 64, heads_q = 2, heads_kv = 2, head_dim = 64;
+  ElementType type = ElementType::kBFloat16;
+  bool causal = false;
+  bool align_to_sequence_end = true;
+  int64_t diagonal_offset = 0, window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  bool alibi = false, seqlens = false, segments = false, deterministic = false;
+  float input_scale = 1.0f;  // larger logits exercise softcap and the running-max rescale
+};
+
+// ---- element conversion -------------------------------------------------------------------------------
+uint16_t to_bits(float x, ElementType t) {
+  uint16_t bits;
+  if (t == ElementType::kBFloat16) {
+    __nv_bfloat16 h = __float2bfloat16(x);
+    std::memcpy(&bits, &h, 2);
+  } else {
+    __half h = __float2half(x);
+    std::memcpy(&bits, &h, 2);
+  }
+  return bits;
+}
+float from_bits(uint16_t bits, ElementType t) {
+  if (t == ElementType::kBFloat16) {
+    __nv_bfloat16 h;
+    std::memcpy(&h, &bits, 2);
+    return __bfloat162float(h);
+  }
+  __half h;
+  std::memcpy(&h, &bits, 2);
+  return __half2float(h);
+}
+
+// A host tensor of 16-bit elements and its float values (exactly representable).
+struct HostTensor {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+};
+HostTensor random_tensor(size_t n, ElementType t, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  HostTensor h;
+  h.bits.resize(n);
+  h.values.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    h.bits[i] = to_bits(dist(rng), t);
+    h.values[i] = from_bits(h.bits[i], t);
+  }
+  return h;
+}
+
+template <class T>
+T* to_device(const std::vector<T>& host) {
+  T* ptr = nullptr;
+  CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(host.size(), 1) * sizeof(T)));
+  if (!host.empty()) CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return ptr;
+}
+template <class T>
+std::vector<T> to_host(const T* ptr, size_t n) {
+  std::vector<T> host(n);
+  if (n) CHECK_CUDA(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+template <class T>
+T* poisoned(size_t n) {  // 0xFF bytes: NaN in bf16, fp16 and f32
+  T* ptr = nullptr;
+  CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)));
+  CHECK_CUDA(cudaMemset(ptr, 0xFF, std::max<size_t>(n, 1) * sizeof(T)));
+  return ptr;
+}
+
+// ---- float64 reference --------------------------------------------------------------------------------
+struct Reference {
+  std::vector<double> o, lse, dq, dk, dv;
+};
+
+Reference reference(const Case& c, const AttentionParams& host_params, const std::vector<float>& q,
+                    const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& d_o,
+                    const std::vector<float>& d_lse) {
+  const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, Hq = c.heads_q, Hkv = c.heads_kv, D = c.head_dim;
+  Reference r;
+  r.o.assign(B * Sq * Hq * D, 0.0);
+  r.lse.assign(B * Hq * Sq, -INFINITY);
+  r.dq.assign(B * Sq * Hq * D, 0.0);
+  r.dk.assign(B * Sk * Hkv * D, 0.0);
+  r.dv.assign(B * Sk * Hkv * D, 0.0);
+  const double scale = host_params.softmax_scale;
+  std::vector<double> s(Sk), grad(Sk), p(Sk);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const jax_flash::SliceMask mask = jax_flash::make_slice_mask(host_params, b, h);
+      const int64_t hk = h / (Hq / Hkv);
+      auto qrow = [&](int64_t i) { return &q[((b * Sq + i) * Hq + h) * D]; };
+      auto krow = [&](int64_t j) { return &k[((b * Sk + j) * Hkv + hk) * D]; };
+      auto vrow = [&](int64_t j) { return &v[((b * Sk + j) * Hkv + hk) * D]; };
+      for (int64_t i = 0; i < Sq; ++i) {
+        double max_s = -INFINITY;
+        for (int64_t j = 0; j < Sk; ++j) {
+          if (!mask.visible(i, j)) {
+            s[j] = -INFINITY;
+            continue;
+          }
+          double dot = 0;
+          for (int64_t e = 0; e < D; ++e) dot += double(qrow(i)[e]) * krow(j)[e];
+          double x = dot * scale, g = 1.0;
+          if (c.softcap > 0) {
+            const double t = std::tanh(x / c.softcap);
+            x = c.softcap * t;
+            g = 1.0 - t * t;
+          }
+          if (mask.alibi_slope != 0.0f) x -= double(mask.alibi_slope) * std::llabs(i + mask.diagonal_shift - j);
+          s[j] = x;
+          grad[j] = g;
+          max_s = std::max(max_s, x);
+        }
+        if (max_s == -INFINITY) continue;  // fully masked: o = 0, lse = -inf, no gradient
+        double sum = 0;
+        for (int64_t j = 0; j < Sk; ++j) sum += (p[j] = s[j] == -INFINITY ? 0.0 : std::exp(s[j] - max_s));
+        const int64_t out_row = ((b * Sq + i) * Hq + h) * D;
+        for (int64_t j = 0; j < Sk; ++j) {
+          p[j] /= sum;
+          if (p[j] == 0) continue;
+          for (int64_t e = 0; e < D; ++e) r.o[out_row + e] += p[j] * vrow(j)[e];
+        }
+        const int64_t stat = (b * Hq + h) * Sq + i;
+        r.lse[stat] = max_s + std::log(sum);
+        // Backward of this row: dS = P (dP - rowsum(dO o) + dlse).
+        double row_d = 0;
+        for (int64_t e = 0; e < D; ++e) row_d += double(d_o[out_row + e]) * r.o[out_row + e];
+        row_d -= d_lse[stat];
+        for (int64_t j = 0; j < Sk; ++j) {
+          if (p[j] == 0) continue;
+          double dp = 0;
+          for (int64_t e = 0; e < D; ++e) dp += double(d_o[out_row + e]) * vrow(j)[e];
+          const double ddot = p[j] * (dp - row_d) * grad[j] * scale;
+          const int64_t kv_row = ((b * Sk + j) * Hkv + hk) * D;
+          for (int64_t e = 0; e < D; ++e) {
+            r.dq[out_row + e] += ddot * krow(j)[e];
+            r.dk[kv_row + e] += ddot * qrow(i)[e];
+            r.dv[kv_row + e] += p[j] * d_o[out_row + e];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ---- comparison ---------------------------------------------------------------------------------------
+struct Error {
+  double rel_l2 = 0, max_abs = 0;
+  int64_t nan = 0;
+};
+Error compare(const std::vector<double>& ref, const std::vector<float>& got) {
+  double diff2 = 0, ref2 = 0;
+  Error e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(got[i])) {
+      ++e.nan;
+      continue;
+    }
+    const double d = got[i] - ref[i];
+    diff2 += d * d;
+    ref2 += ref[i] * ref[i];
+    e.max_abs = std::max(e.max_abs, std::fabs(d));
+  }
+  e.rel_l2 = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  return e;
+}
+std::vector<float> values_of(const std::vector<uint16_t>& bits, ElementType t) {
+  std::vector<float> v(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) v[i] = from_bits(bits[i], t);
+  return v;
+}
+
+bool report(const std::string& what, const Error& e, double tolerance) {
+  const bool ok = e.nan == 0 && e.rel_l2 <= tolerance;
+  std::printf("    %-4s rel_l2 %.2e  max_abs %.2e  nan %lld  %s\n", what.c_str(), e.rel_l2, e.max_abs,
+              static_cast<long long>(e.nan), ok ? "ok" : "FAIL");
+  return ok;
+}
+
+// lse: -inf exactly where the reference has it, else close in absolute terms.
+bool report_lse(const std::vector<double>& ref, const std::vector<float>& got) {
+  int64_t mismatched_inf = 0, nan = 0;
+  double max_abs = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(got[i])) ++nan;
+    else if ((ref[i] == -INFINITY) != (got[i] == -INFINITY)) ++mismatched_inf;
+    else if (ref[i] != -INFINITY) max_abs = std::max(max_abs, std::fabs(got[i] - ref[i]));
+  }
+  const bool ok = nan == 0 && mismatched_inf == 0 && max_abs < 2e-3;
+  std::printf("    lse  max_abs %.2e  inf-mismatch %lld  nan %lld  %s\n", max_abs,
+              static_cast<long long>(mismatched_inf), static_cast<long long>(nan), ok ? "ok" : "FAIL");
+  return ok;
+}
+
+bool run_case(const Case& c, std::mt19937& rng) {
+  const ElementType t = c.type;
+  const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, Hq = c.heads_q, Hkv = c.heads_kv, D = c.head_dim;
+  const size_t nq = B * Sq * Hq * D, nk = B * Sk * Hkv * D, nstat = B * Hq * Sq;
+  std::printf("%-34s b=%lld sq=%lld sk=%lld hq=%lld hkv=%lld d=%lld %s\n", c.name.c_str(), (long long)B,
+              (long long)Sq, (long long)Sk, (long long)Hq, (long long)Hkv, (long long)D,
+              t == ElementType::kBFloat16 ? "bf16" : "fp16");
+  HostTensor q = random_tensor(nq, t, c.input_scale, rng), k = random_tensor(nk, t, c.input_scale, rng),
+             v = random_tensor(nk, t, 1.0f, rng), d_o = random_tensor(nq, t, 1.0f, rng);
+  std::vector<float> d_lse(nstat);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  for (auto& x : d_lse) x = normal(rng);
+
+  std::vector<float> alibi(B * Hq);
+  std::vector<int32_t> q_lens(B), kv_lens(B), q_seg(B * Sq), kv_seg(B * Sk);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (auto& a : alibi) a = 0.05f + 0.2f * uniform(rng);
+  for (int64_t b = 0; b < B; ++b) {
+    q_lens[b] = static_cast<int32_t>(b == 0 ? Sq : std::max<int64_t>(0, Sq - 1 - (rng() % std::max<int64_t>(Sq, 1))));
+    kv_lens[b] = static_cast<int32_t>(b == 0 ? Sk : std::max<int64_t>(1, Sk - (rng() % std::max<int64_t>(Sk, 1))));
+    // Segments: a few contiguous runs per row, numbered in order on both sides.
+    for (int64_t i = 0; i < Sq; ++i) q_seg[b * Sq + i] = static_cast<int32_t>((i * 3) / std::max<int64_t>(Sq, 1));
+    for (int64_t j = 0; j < Sk; ++j) kv_seg[b * Sk + j] = static_cast<int32_t>((j * 3) / std::max<int64_t>(Sk, 1));
+  }
+
+  AttentionParams host{};
+  host.batch = B;
+  host.seqlen_q = Sq;
+  host.seqlen_k = Sk;
+  host.heads_q = Hq;
+  host.heads_kv = Hkv;
+  host.head_dim = D;
+  host.element_type = t;
+  host.softmax_scale = 1.0f / std::sqrt(float(D));
+  host.softcap = c.softcap;
+  host.causal = c.causal;
+  host.align_to_sequence_end = c.align_to_sequence_end;
+  host.diagonal_offset = c.diagonal_offset;
+  host.window_left = c.window_left;
+  host.window_right = c.window_right;
+  if (c.alibi) host.alibi_slopes = alibi.data();
+  if (c.seqlens) {
+    host.q_seqlens = q_lens.data();
+    host.kv_seqlens = kv_lens.data();
+  }
+  if (c.segments) {
+    host.q_segment_ids = q_seg.data();
+    host.kv_segment_ids = kv_seg.data();
+  }
+  const Reference ref = reference(c, host, q.values, k.values, v.values, d_o.values, d_lse);
+
+  AttentionBackwardParams p{};
+  static_cast<AttentionParams&>(p) = host;
+  p.alibi_slopes = c.alibi ? to_device(alibi) : nullptr;
+  p.q_seqlens = c.seqlens ? to_device(q_lens) : nullptr;
+  p.kv_seqlens = c.seqlens ? to_device(kv_lens) : nullptr;
+  p.q_segment_ids = c.segments ? to_device(q_seg) : nullptr;
+  p.kv_segment_ids = c.segments ? to_device(kv_seg) : nullptr;
+  p.q = to_device(q.bits);
+  p.k = to_device(k.bits);
+  p.v = to_device(v.bits);
+  p.o = poisoned<uint16_t>(nq);
+  p.lse = poisoned<float>(nstat);
+  std::string err = jax_flash::cuda::run_forward(p, nullptr);
+  if (!err.empty()) {
+    std::printf("    run_forward: %s  FAIL\n", err.c_str());
+    return false;
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  bool ok = true;
+  ok &= report("o", compare(ref.o, values_of(to_host(static_cast<uint16_t*>(p.o), nq), t)),
+               t == ElementType::kBFloat16 ? 2e-2 : 4e-3);
+  ok &= report_lse(ref.lse, to_host(p.lse, nstat));
+
+  p.d_o = to_device(d_o.bits);
+  p.d_lse = to_device(d_lse);
+  p.deterministic = c.deterministic;
+  std::vector<uint16_t> first_grads[3];
+  for (int run = 0; run < (c.deterministic ? 2 : 1); ++run) {
+    p.dq = poisoned<uint16_t>(nq);
+    p.dk = poisoned<uint16_t>(nk);
+    p.dv = poisoned<uint16_t>(nk);
+    p.dq_accum = poisoned<float>(nq);
+    p.softmax_d = poisoned<float>(nstat);
+    err = jax_flash::cuda::run_backward(p, nullptr);
+    if (!err.empty()) {
+      std::printf("    run_backward: %s  FAIL\n", err.c_str());
+      return false;
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> grads[3] = {to_host(static_cast<uint16_t*>(p.dq), nq),
+                                      to_host(static_cast<uint16_t*>(p.dk), nk),
+                                      to_host(static_cast<uint16_t*>(p.dv), nk)};
+    if (run == 0) {
+      const double tol = t == ElementType::kBFloat16 ? 3e-2 : 6e-3;
+      ok &= report("dq", compare(ref.dq, values_of(grads[0], t)), tol);
+      ok &= report("dk", compare(ref.dk, values_of(grads[1], t)), tol);
+      ok &= report("dv", compare(ref.dv, values_of(grads[2], t)), tol);
+      for (int g = 0; g < 3; ++g) first_grads[g] = grads[g];
+    } else {
+      const bool same = grads[0] == first_grads[0] && grads[1] == first_grads[1] && grads[2] == first_grads[2];
+      std::printf("    deterministic rerun bit-identical: %s\n", same ? "ok" : "FAIL");
+      ok &= same;
+    }
+    for (void* ptr : {p.dq, p.dk, p.dv}) CHECK_CUDA(cudaFree(ptr));
+    CHECK_CUDA(cudaFree(p.dq_accum));
+    CHECK_CUDA(cudaFree(p.softmax_d));
+  }
+  for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
+                          static_cast<const void*>(p.o), static_cast<const void*>(p.alibi_slopes),
+                          static_cast<const void*>(p.q_seqlens), static_cast<const void*>(p.kv_seqlens),
+                          static_cast<const void*>(p.q_segment_ids), static_cast<const void*>(p.kv_segment_ids)}) {
+    if (ptr) CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
+  }
+  return ok;
+}
+
+std::vector<Case> case_grid(bool small) {
+  std::vector<Case> cases;
+  auto add = [&](Case c) { cases.push_back(c); };
+  add({.name = "basic"});
+  add({.name = "seqlen 1", .seqlen_q = 1, .seqlen_k = 1});
+  add({.name = "seqlen 17, d=40 causal", .seqlen_q = 17, .seqlen_k = 17, .head_dim = 40, .causal = true});
+  add({.name = "unaligned d=33 (element path)", .seqlen_q = 70, .seqlen_k = 45, .head_dim = 33});
+  add({.name = "GQA causal sq<sk", .batch = 2, .seqlen_q = 77, .seqlen_k = 150, .heads_q = 6, .heads_kv = 2,
+       .causal = true});
+  add({.name = "window + seqlens + segments + softcap + alibi", .batch = 3, .seqlen_q = 130, .seqlen_k = 200,
+       .heads_q = 4, .heads_kv = 1, .window_left = 40, .window_right = 7, .softcap = 5.0f, .alibi = true,
+       .seqlens = true, .segments = true, .input_scale = 2.0f});
+  add({.name = "fp16 causal deterministic", .batch = 2, .seqlen_q = 100, .seqlen_k = 100, .heads_q = 4,
+       .heads_kv = 2, .type = ElementType::kFloat16, .causal = true, .deterministic = true});
+  if (small) return cases;
+  for (int64_t d : {32, 64, 96, 128, 192, 256}) {
+    add({.name = "head dim sweep causal", .batch = 1, .seqlen_q = 300, .seqlen_k = 300, .heads_q = 2, .heads_kv = 1,
+         .head_dim = d, .causal = true});
+    add({.name = "head dim sweep fp16 deterministic", .batch = 1, .seqlen_q = 200, .seqlen_k = 333, .heads_q = 2,
+         .heads_kv = 2, .head_dim = d, .type = ElementType::kFloat16, .deterministic = true});
+  }
+  add({.name = "seqlen 1000 GQA causal d=128", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 128, .causal = true});
+  add({.name = "seqlen 1000 non-causal d=64", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 64});
+  add({.name = "top-left causal, offset -5", .seqlen_q = 90, .seqlen_k = 60, .causal = true,
+       .align_to_sequence_end = false, .diagonal_offset = -5});
+  add({.name = "window only (left 16, right 0)", .seqlen_q = 257, .seqlen_k = 257, .window_left = 16,
+       .window_right = 0});
+  add({.name = "seqlens (padded rows)", .batch = 3, .seqlen_q = 129, .seqlen_k = 140, .heads_q = 2, .heads_kv = 2,
+       .causal = true, .seqlens = true});
+  add({.name = "segments", .batch = 2, .seqlen_q = 150, .seqlen_k = 150, .segments = true});
+  add({.name = "softcap large logits", .seqlen_q = 128, .seqlen_k = 190, .softcap = 10.0f, .input_scale = 3.0f});
+  add({.name = "alibi causal", .seqlen_q = 200, .seqlen_k = 200, .heads_q = 4, .heads_kv = 4, .causal = true,
+       .alibi = true});
+  add({.name = "MQA d=256 bf16 deterministic", .batch = 2, .seqlen_q = 111, .seqlen_k = 222, .heads_q = 4,
+       .heads_kv = 1, .head_dim = 256, .deterministic = true});
+  add({.name = "all masked rows (window far right)", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
+       .window_left = 0, .window_right = 0});
+  add({.name = "float32 rejected (expect error)", .type = ElementType::kFloat32});
+  return cases;
+}
+
+// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16.
+void bench() {
+  for (bool causal : {false, true}) {
+    const int64_t B = 4, S = 4096, H = 16, D = 128;
+    const size_t n = B * S * H * D;
+    AttentionBackwardParams p{};
+    p.batch = B;
+    p.seqlen_q = p.seqlen_k = S;
+    p.heads_q = p.heads_kv = H;
+    p.head_dim = D;
+    p.element_type = ElementType::kBFloat16;
+    p.softmax_scale = 1.0f / std::sqrt(float(D));
+    p.causal = causal;
+    std::mt19937 rng(1);
+    HostTensor x = random_tensor(n, p.element_type, 1.0f, rng);
+    p.q = to_device(x.bits);
+    p.k = to_device(x.bits);
+    p.v = to_device(x.bits);
+    p.d_o = to_device(x.bits);
+    p.o = poisoned<uint16_t>(n);
+    p.dq = poisoned<uint16_t>(n);
+    p.dk = poisoned<uint16_t>(n);
+    p.dv = poisoned<uint16_t>(n);
+    p.lse = poisoned<float>(B * H * S);
+    p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
+    p.softmax_d = poisoned<float>(B * H * S);
+    p.dq_accum = poisoned<float>(n);
+    const double flops = 4.0 * B * H * S * S * D * (causal ? 0.5 : 1.0);
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    auto time_ms = [&](auto fn) {
+      for (int i = 0; i < 3; ++i) fn();
+      CHECK_CUDA(cudaEventRecord(start));
+      const int reps = 20;
+      for (int i = 0; i < reps; ++i) fn();
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      return ms / reps;
+    };
+    const float fwd = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
+    const float bwd = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    CHECK_CUDA(cudaGetLastError());
+    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s\n",
+                causal, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--bench") {
+    bench();
+    return 0;
+  }
+  std::mt19937 rng(12345);
+  int failures = 0, total = 0;
+  for (const Case& c : case_grid(mode == "--small")) {
+    ++total;
+    if (c.type == ElementType::kFloat32) {
+      AttentionParams p{};
+      p.element_type = ElementType::kFloat32;
+      p.head_dim = 64;
+      const std::string err = jax_flash::cuda::run_forward(p, nullptr);
+      const bool ok = err == "float32 is not supported on the GPU yet";
+      std::printf("%-34s -> \"%s\" %s\n", c.name.c_str(), err.c_str(), ok ? "ok" : "FAIL");
+      failures += !ok;
+      continue;
+    }
+    failures += !run_case(c, rng);
+  }
+  std::printf("%d of %d cases passed\n", total - failures, total);
+  return failures == 0 ? 0 : 1;
+}
