@@ -1,0 +1,214 @@
+"""GPU attention throughput: jax_flash's CUDA kernels vs jax.nn.dot_product_attention (cuDNN and XLA).
+
+Shapes (../shared/ANCHORS.md): bf16, BSHD, 16k tokens per batch (batch = 16384 / seqlen), heads * head_dim = 2048,
+head_dim in {64, 128, 256}, causal and not, seqlen 512..16k. FLOPs: 4 * b * h * sq * sk * d, halved when causal;
+backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls after warm-up, median of 3 trials; the
+backward is timed alone through a jitted VJP function.
+
+Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
+Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
+--memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
+each implementation's peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TOKENS = 16384
+MODEL_WIDTH = 2048  # heads * head_dim
+IMPLEMENTATIONS = ("jax_flash_sm80", "cudnn", "xla")
+
+
+def attention_fn(implementation: str, causal: bool):
+    import jax
+
+    import jax_flash
+
+    if implementation == "jax_flash_sm80":
+        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal)
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def median_seconds(fn, args, reps: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    trials = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        trials.append((time.perf_counter() - start) / reps)
+    return sorted(trials)[1]
+
+
+def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    batch, heads = TOKENS // seqlen, MODEL_WIDTH // head_dim
+    keys = jax.random.split(jax.random.key(seqlen + head_dim), 4)
+    shape = (batch, seqlen, heads, head_dim)
+    q, k, v, d_o = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    attend = attention_fn(implementation, causal)
+    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    row = {"impl": implementation, "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads,
+           "causal": causal, "fwd_tflops": None, "bwd_tflops": None}
+    try:
+        forward = jax.jit(attend)
+        row["fwd_tflops"] = flops / median_seconds(forward, (q, k, v), reps) / 1e12
+        _, vjp = jax.vjp(attend, q, k, v)
+        backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
+        row["bwd_tflops"] = 2.5 * flops / median_seconds(backward, (vjp, d_o), reps) / 1e12
+    except Exception as error:  # noqa: BLE001 - an implementation that cannot run a shape is recorded, not fatal
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return row
+
+
+def peak_memory_child(implementation: str, seqlen: int) -> dict:
+    """In a fresh process: forward + backward at [1, seqlen, 16, 128]; peak device bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = (1, seqlen, 16, 128)
+    q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))
+    attend = attention_fn(implementation, causal=False)
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+    result = {"impl": implementation, "seqlen": seqlen, "batch": 1, "heads": 16, "head_dim": 128}
+    try:
+        jax.block_until_ready(step(q, k, v))
+        result["peak_bytes"] = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    except Exception as error:  # noqa: BLE001 - the XLA path is expected to run out of memory here
+        result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return result
+
+
+def run_memory_benchmark(seqlen: int) -> list[dict]:
+    rows = []
+    for implementation in ("jax_flash_sm80", "xla"):
+        command = [sys.executable, os.path.abspath(__file__), "--memory-child", implementation, str(seqlen)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = done.stdout.strip().splitlines()
+        rows.append(json.loads(lines[-1]) if lines else {"impl": implementation, "seqlen": seqlen,
+                                                         "error": done.stderr.strip().splitlines()[-1:]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def versions() -> dict:
+    import jax
+    import jaxlib
+
+    info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    try:
+        import jax_flash
+
+        info["jax_flash"] = getattr(jax_flash, "__version__", "unknown")
+    except ImportError:
+        pass
+    return info
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head_dims = sorted({r["head_dim"] for r in rows})
+    fig, axes = plt.subplots(2 * 2, len(head_dims), figsize=(5 * len(head_dims), 14), squeeze=False)
+    for col, head_dim in enumerate(head_dims):
+        for causal_index, causal in enumerate((False, True)):
+            for pass_index, key in enumerate(("fwd_tflops", "bwd_tflops")):
+                ax = axes[2 * causal_index + pass_index][col]
+                for implementation in IMPLEMENTATIONS:
+                    points = sorted((r["seqlen"], r[key]) for r in rows if r["impl"] == implementation
+                                    and r["head_dim"] == head_dim and r["causal"] == causal and r[key] is not None)
+                    if points:
+                        ax.plot(*zip(*points), marker="o", label=implementation)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"d={head_dim} {'causal' if causal else 'non-causal'} {key.split('_')[0]}")
+                ax.set_xlabel("seqlen")
+                ax.set_ylabel("TFLOP/s")
+                ax.grid(True, alpha=0.3)
+                ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
+    parser.add_argument("--memory-seqlen", type=int, default=131072)
+    parser.add_argument("--out-dir", default=RESULTS_DIR)
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        print(json.dumps(peak_memory_child(args.memory_child[0], int(args.memory_child[1]))))
+        return
+
+    import jax
+
+    rows = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            for seqlen in args.seqlens:
+                for implementation in args.impls:
+                    rows.append(measure(implementation, head_dim, seqlen, causal, args.reps))
+                    r = rows[-1]
+                    fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
+                    bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
+                    print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {implementation:15s} "
+                          f"fwd {fwd:>6s} bwd {bwd:>6s} {r.get('error', '')}", flush=True)
+    memory = run_memory_benchmark(args.memory_seqlen) if args.memory else []
+
+    gpu = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"attention_{gpu.replace(' ', '_')}_{date}")
+    result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
+    if memory:
+        result["peak_memory"] = memory
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, stem + ".png")
+    print_ratio_table(rows)
+    print(f"wrote {stem}.json and .png")
+
+
+def print_ratio_table(rows: list[dict]) -> None:
+    """jax_flash / cuDNN per cell, fwd and bwd."""
+    def lookup(impl, r):
+        for other in rows:
+            if (other["impl"] == impl and other["head_dim"] == r["head_dim"] and other["seqlen"] == r["seqlen"]
+                    and other["causal"] == r["causal"]):
+                return other
+        return None
+
+    print("ratio to cuDNN (fwd / bwd):")
+    for r in rows:
+        if r["impl"] != "jax_flash_sm80":
+            continue
+        ref = lookup("cudnn", r)
+        if ref is None:
+            continue
+        ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
+        print(f"  d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
+              f"{ratio('fwd_tflops')} / {ratio('bwd_tflops')}")
+
+
+if __name__ == "__main__":
+    main()
