@@ -1,0 +1,376 @@
+"""Multi-device partitioning of the two custom calls, so ``jax_flash.attention`` under ``jax.jit`` with sharded
+inputs runs on each device's shard without gathering q/k/v.
+
+``forward`` and ``backward`` have the signatures of ``_ffi_calls.forward``/``backward`` and wrap them in
+``jax.experimental.custom_partitioning`` (a Shardy ``sharding_rule`` plus the GSPMD callbacks, whichever
+partitioner jax uses). What each sharded axis becomes:
+
+- batch: independent rows, runs locally.
+- heads: runs locally when the mesh axes divide the key/value heads; query heads follow their key/value head
+  (grouped-query attention keeps a group on one device). With a single key/value head (multi-query attention)
+  the query heads shard alone, keys/values stay replicated and dK/dV are summed over the head axes. Otherwise
+  heads are gathered.
+- head_dim: always gathered (the kernels contract over it).
+- query sequence, keys/values replicated: runs locally; each shard's diagonal (causal, window, ALiBi) is shifted
+  to its global position (``lax.switch`` over static offsets); dK/dV are summed over the sequence axes.
+- key/value sequence: ring attention over those mesh axes (``jax_flash._ring``), queries sharded the same way.
+  NamedSharding shards contiguously, which leaves a causal ring unbalanced (device 0 sees one block, the last
+  device all of them, and every step waits for the slowest); so for causal masks the shards are first moved
+  into the zigzag layout (``jax_flash._relayout``: two ``ppermute``s of half a shard each, small next to the
+  ring's quadratic work) and the results moved back.
+
+What cannot run locally is resharded explicitly through the returned operand shardings (the partitioner inserts
+the collectives), never computed wrongly: a sequence axis that does not divide evenly, or sequence sharding when
+``q_seqlens``/``kv_seqlens`` combine with a bottom-right-aligned causal/window/ALiBi mask (each sequence's
+diagonal then depends on its lengths, see ``_block_plan.position_mask``).
+
+The custom calls have no batching rule, so ``jax.custom_batching.custom_vmap`` folds a vmapped axis into the
+batch axis first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flash import _ffi_calls, _relayout, _ring
+from jax_flash._block_plan import position_mask
+from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash.sequence_layout import SequenceLayout
+
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Static part of one call (hashable): the config, which mask operands are present, global sizes."""
+
+    config: ScoreConfig
+    present: tuple[str, ...]
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+
+    @property
+    def sequence_shardable(self) -> bool:
+        return position_mask(self.config, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
+                             has_alibi="alibi_slopes" in self.present,
+                             has_seqlens="q_seqlens" in self.present or "kv_seqlens" in self.present) is not None
+
+    def masks(self, batch: int, present: Sequence[jax.Array]) -> MaskOperands:
+        """Rebuilds the normalised operands, absent ones as ``[batch, 0]``."""
+        given = dict(zip(self.present, present))
+        return MaskOperands(*(given.get(name, jnp.zeros((batch, 0), jnp.float32 if name == "alibi_slopes"
+                                                        else jnp.int32))
+                              for name in MaskOperands._fields))
+
+
+def _call(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[_Call, tuple[jax.Array, ...]]:
+    present = tuple(name for name, x in zip(MaskOperands._fields, masks) if x.shape[-1])
+    call = _Call(config, present, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    return call, tuple(getattr(masks, name) for name in present)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Mesh axes per role: batch, query heads, key/value heads (``heads``, or none for multi-query attention),
+    query sequence, key/value sequence. ``kv_seq`` non-empty means a ring over it, and then ``q_seq == kv_seq``."""
+
+    batch: Axes = ()
+    heads: Axes = ()
+    kv_heads: Axes = ()
+    q_seq: Axes = ()
+    kv_seq: Axes = ()
+
+    def query(self) -> P:
+        return P(self.batch or None, self.q_seq or None, self.heads or None, None)
+
+    def kv(self) -> P:
+        return P(self.batch or None, self.kv_seq or None, self.kv_heads or None, None)
+
+    def lse(self) -> P:
+        return P(self.batch or None, self.heads or None, self.q_seq or None)
+
+    def mask(self, name: str) -> P:
+        rest = {"alibi_slopes": self.heads, "q_segment_ids": self.q_seq, "kv_segment_ids": self.kv_seq}.get(name)
+        return P(self.batch or None, rest or None)
+
+
+def _axes(sharding: object, dim: int) -> Axes:
+    """Mesh axes sharding dimension ``dim`` (empty when replicated or unknown)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return ()
+    entry = spec[dim]
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _decide(call: _Call, mesh: Mesh, q_sharding: object, k_sharding: object) -> _Layout:
+    """The layout to run in, from the operands' shardings: keeps what can run locally, drops the rest."""
+    used: set[str] = set()
+
+    def take(axes: Axes, extent: int) -> Axes:
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if not axes or used.intersection(axes) or extent % shards:
+            return ()
+        used.update(axes)
+        return axes
+
+    batch = take(_axes(q_sharding, 0) or _axes(k_sharding, 0), call.batch)
+    kv_heads = heads = take(_axes(q_sharding, 2) or _axes(k_sharding, 2), call.heads_kv)
+    if not heads and call.heads_kv == 1:
+        heads = take(_axes(q_sharding, 2), call.heads_q)
+    if not call.sequence_shardable:
+        return _Layout(batch, heads, kv_heads)
+    kv_seq = _axes(k_sharding, 1)
+    if kv_seq and call.seqlen_q % math.prod(mesh.shape[a] for a in kv_seq) == 0:
+        kv_seq = take(kv_seq, call.seqlen_k)
+    if kv_seq:  # a ring: queries sharded over the same axes
+        return _Layout(batch, heads, kv_heads, kv_seq, kv_seq)
+    return _Layout(batch, heads, kv_heads, take(_axes(q_sharding, 1), call.seqlen_q))
+
+
+def _ring_spec(call: _Call, mesh: Mesh, layout: _Layout) -> _ring.RingSpec:
+    """Zigzag for a causal ring whose shards halve evenly (see the module docstring), else contiguous."""
+    q_shards = math.prod(mesh.shape[a] for a in layout.q_seq)
+    kv_shards = math.prod(mesh.shape[a] for a in layout.kv_seq)
+    balance = (call.config.causal and kv_shards > 1
+               and call.seqlen_q % (2 * q_shards) == 0 and call.seqlen_k % (2 * kv_shards) == 0)
+    name = "zigzag" if balance else "contiguous"
+    spec = _ring.ring_spec(call.config, SequenceLayout(name, q_shards, call.seqlen_q),
+                           SequenceLayout(name, kv_shards, call.seqlen_k),
+                           has_alibi="alibi_slopes" in call.present,
+                           has_seqlens="q_seqlens" in call.present or "kv_seqlens" in call.present)
+    assert spec is not None, "_decide only shards sequences that ring_spec supports"
+    return spec
+
+
+def _relayout_functions(spec: _ring.RingSpec, layout: _Layout):
+    """``(into, back)``: move a contiguous per-device sequence shard (sequence along ``axis``) into the spec's
+    layout and back; identities for the contiguous layout."""
+    if spec.q_layout.name == "contiguous":
+        return (lambda x, axis=1: x), (lambda x, axis=1: x)
+    shards = spec.q_layout.num_shards
+    return (functools.partial(_relayout.to_zigzag, axis_name=layout.q_seq, num_shards=shards),
+            functools.partial(_relayout.from_zigzag, axis_name=layout.q_seq, num_shards=shards))
+
+
+def _relayout_masks(masks: MaskOperands, into) -> MaskOperands:
+    move = lambda ids: into(ids) if ids.shape[-1] else ids
+    return masks._replace(q_segment_ids=move(masks.q_segment_ids), kv_segment_ids=move(masks.kv_segment_ids))
+
+
+def _named(mesh: Mesh, *specs: P) -> tuple[NamedSharding, ...]:
+    return tuple(NamedSharding(mesh, spec) for spec in specs)
+
+
+def _mask_shardings(call: _Call, mesh: Mesh, layout: _Layout) -> tuple[NamedSharding, ...]:
+    return _named(mesh, *(layout.mask(name) for name in call.present))
+
+
+# Shardy factors. Query and key/value heads are separate factors: tying them as a compound "(hk g)" lets Shardy
+# split a mesh axis into sub-axes (e.g. 4 devices over 2 key/value heads), which NamedSharding cannot express;
+# _decide relates them instead. "qn"/"kn" are the size-1 length axes.
+_QUERY, _KV, _LSE = "b sq hq d", "b sk hk d", "b hq sq"
+_MASKS = {"alibi_slopes": "b hq", "q_seqlens": "b qn", "kv_seqlens": "b kn", "q_segment_ids": "b sq",
+          "kv_segment_ids": "b sk"}
+
+
+def _sharding_rule(operands: Sequence[str], results: Sequence[str], call: _Call) -> tuple[str, dict[str, object]]:
+    """Shardy rule: factors shared by name; head_dim never sharded, sequence factors only where ``_decide`` can
+    shard them (the ``partition`` callback has the last word either way)."""
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    replicated = {"d", "qn", "kn"} | (set() if call.sequence_shardable else {"sq", "sk"})
+    # In order of first appearance: Shardy wants these factor indices sorted and jax passes them through as is.
+    factors = dict.fromkeys(rule.replace(",", " ").split())
+    return rule, {"need_replication_factors": tuple(f for f in factors if f in replicated)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward: (q, k, v, *masks) -> (o, lse)
+
+
+def _forward_impl(call: _Call, q: jax.Array, k: jax.Array, v: jax.Array,
+                  *present: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _ffi_calls.forward(q, k, v, call.masks(q.shape[0], present), call.config)
+
+
+_forward_op = custom_partitioning(_forward_impl, static_argnums=(0,))
+
+
+def _forward_local(call: _Call, mesh: Mesh, layout: _Layout, q: jax.Array, k: jax.Array, v: jax.Array,
+                   *present: jax.Array) -> tuple[jax.Array, jax.Array]:
+    masks = call.masks(q.shape[0], present)
+    if not layout.q_seq:
+        return _ffi_calls.forward(q, k, v, masks, call.config)
+    spec = _ring_spec(call, mesh, layout)
+    into, back = _relayout_functions(spec, layout)
+    o, lse = _ring.ring_forward(into(q), into(k), into(v), _relayout_masks(masks, into), spec, layout.q_seq)
+    return back(o), back(lse, axis=2)
+
+
+def _forward_partition(call: _Call, mesh: Mesh, arg_shapes, result_shape):
+    del result_shape
+    layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    args = _named(mesh, layout.query(), layout.kv(), layout.kv()) + _mask_shardings(call, mesh, layout)
+    results = _named(mesh, layout.query(), layout.lse())
+    return mesh, functools.partial(_forward_local, call, mesh, layout), results, args
+
+
+def _forward_infer(call: _Call, mesh: Mesh, arg_shapes, result_shape):
+    del result_shape
+    layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    return _named(mesh, layout.query(), layout.lse())
+
+
+def _output_layout(o_sharding: object) -> _Layout:
+    """The layout a consumer of ``o`` asks for (head_dim aside)."""
+    return _Layout(_axes(o_sharding, 0), _axes(o_sharding, 2), _axes(o_sharding, 1))
+
+
+def _forward_propagate_user(call: _Call, mesh: Mesh, user_shape):
+    del call
+    layout = _output_layout(user_shape[0].sharding)
+    return _named(mesh, layout.query(), layout.lse())
+
+
+def _forward_rule(call: _Call, mesh, operand_types, result_types):
+    del mesh, operand_types, result_types
+    operands = [_QUERY, _KV, _KV] + [_MASKS[name] for name in call.present]
+    return _sharding_rule(operands, [_QUERY, _LSE], call)
+
+
+_forward_op.def_partition(
+    partition=_forward_partition,
+    infer_sharding_from_operands=_forward_infer,
+    propagate_user_sharding=_forward_propagate_user,
+    sharding_rule=_forward_rule,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward: (q, k, v, o, lse, d_o, d_lse, *masks) -> (dq, dk, dv)
+
+
+def _backward_impl(call: _Call, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,
+                   d_o: jax.Array, d_lse: jax.Array, *present: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, call.masks(q.shape[0], present), call.config)
+
+
+_backward_op = custom_partitioning(_backward_impl, static_argnums=(0,))
+
+
+def _backward_local(call: _Call, mesh: Mesh, layout: _Layout, q: jax.Array, k: jax.Array, v: jax.Array,
+                    o: jax.Array, lse: jax.Array, d_o: jax.Array, d_lse: jax.Array,
+                    *present: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    masks = call.masks(q.shape[0], present)
+    if layout.q_seq:
+        spec = _ring_spec(call, mesh, layout)
+        into, back = _relayout_functions(spec, layout)
+        dq, dk, dv = _ring.ring_backward(into(q), into(k), into(v), into(o), into(lse, axis=2), into(d_o),
+                                         into(d_lse, axis=2), _relayout_masks(masks, into), spec, layout.q_seq)
+        dq, dk, dv = back(dq), back(dk), back(dv)
+    else:
+        dq, dk, dv = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, call.config)
+    if layout.heads and not layout.kv_heads:
+        # Multi-query: every head shard's queries used the one replicated key/value head.
+        dk, dv = (lax.psum(g.astype(jnp.float32), layout.heads).astype(g.dtype) for g in (dk, dv))
+    return dq, dk, dv
+
+
+def _backward_partition(call: _Call, mesh: Mesh, arg_shapes, result_shape):
+    del result_shape
+    layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    query, kv, lse = layout.query(), layout.kv(), layout.lse()
+    args = _named(mesh, query, kv, kv, query, lse, query, lse) + _mask_shardings(call, mesh, layout)
+    return mesh, functools.partial(_backward_local, call, mesh, layout), _named(mesh, query, kv, kv), args
+
+
+def _backward_infer(call: _Call, mesh: Mesh, arg_shapes, result_shape):
+    del result_shape
+    layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    return _named(mesh, layout.query(), layout.kv(), layout.kv())
+
+
+def _backward_propagate_user(call: _Call, mesh: Mesh, user_shape):
+    del call
+    layout = _output_layout(user_shape[0].sharding)
+    return _named(mesh, layout.query(), layout.kv(), layout.kv())
+
+
+def _backward_rule(call: _Call, mesh, operand_types, result_types):
+    del mesh, operand_types, result_types
+    operands = [_QUERY, _KV, _KV, _QUERY, _LSE, _QUERY, _LSE] + [_MASKS[name] for name in call.present]
+    return _sharding_rule(operands, [_QUERY, _KV, _KV], call)
+
+
+_backward_op.def_partition(
+    partition=_backward_partition,
+    infer_sharding_from_operands=_backward_infer,
+    propagate_user_sharding=_backward_propagate_user,
+    sharding_rule=_backward_rule,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points, with vmap support.
+
+
+def _fold(x: jax.Array, batched: bool, axis_size: int) -> jax.Array:
+    """``[n, B, ...]`` (or unbatched ``[B, ...]``, broadcast) -> ``[n * B, ...]``."""
+    if not batched:
+        x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
+    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+
+def _fold_all(axis_size: int, in_batched, args):
+    return jax.tree.map(functools.partial(_fold, axis_size=axis_size), tuple(args), tuple(in_batched))
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
+            config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+    """``_ffi_calls.forward`` that partitions under ``jit`` with sharded operands; same shapes and results."""
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, masks):
+        call, present = _call(q, k, masks, config)
+        return _forward_op(call, q, k, v, *present)
+
+    @run.def_vmap
+    def _(axis_size, in_batched, *args):
+        o, lse = forward(*_fold_all(axis_size, in_batched, args), config)
+        return (_unfold(o, axis_size), _unfold(lse, axis_size)), (True, True)
+
+    return run(q, k, v, masks)
+
+
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
+             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``_ffi_calls.backward`` that partitions under ``jit`` with sharded operands; same shapes and results."""
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, o, lse, d_o, d_lse, masks):
+        call, present = _call(q, k, masks, config)
+        return _backward_op(call, q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *present)
+
+    @run.def_vmap
+    def _(axis_size, in_batched, *args):
+        grads = backward(*_fold_all(axis_size, in_batched, args), config)
+        return tuple(_unfold(g, axis_size) for g in grads), (True, True, True)
+
+    return run(q, k, v, o, lse, d_o, d_lse, masks)
