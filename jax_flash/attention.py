@@ -9,7 +9,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ffi_calls, _validation
+from jax_flash import _validation, sharding
 from jax_flash._config import MaskOperands, ScoreConfig
 from jax_flash.reference import attention_reference
 
@@ -19,18 +19,18 @@ Implementation = Literal["xla"] | None
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
            config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
-    return _ffi_calls.forward(q, k, v, masks, config)
+    return sharding.forward(q, k, v, masks, config)
 
 
 def _flash_forward(q, k, v, masks, config):
-    o, lse = _ffi_calls.forward(q, k, v, masks, config)
+    o, lse = sharding.forward(q, k, v, masks, config)
     return (o, lse), (q, k, v, masks, o, lse)
 
 
 def _flash_backward(config, residuals, cotangents):
     q, k, v, masks, o, lse = residuals
     d_o, d_lse = cotangents
-    dq, dk, dv = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, config)
+    dq, dk, dv = sharding.backward(q, k, v, o, lse, d_o, d_lse, masks, config)
     # Mask operands are integers or (ALiBi slopes) not differentiated: zero cotangents.
     return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, masks)
 
