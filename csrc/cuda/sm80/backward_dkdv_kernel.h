@@ -22,6 +22,35 @@
 
 namespace jax_flash::cuda::sm80 {
 
+// dq_accum[row, col] += acc(i) at (row, col) = coords(i), for rows < rows and cols < cols (dS is 0 past
+// valid_q, so those rows are skipped). Addresses are one pointer per accumulator row plus compile-time column
+// offsets, and full tiles skip the predicates.
+template <class Acc, class Coords>
+__device__ void add_to_dq_accum(Acc const& acc, Coords const& coords, float* tile, int64_t row_stride, int rows,
+                                int cols) {
+  using namespace cute;
+  auto values = as_rows_cols(acc);
+  auto value_coords = as_rows_cols(coords);
+  const int first_row = get<0>(value_coords(0, 0));
+  const int first_col = get<1>(value_coords(0, 0));
+  float* base = tile + first_row * row_stride + first_col;
+  constexpr int kRows = decltype(size<0>(values))::value;
+  constexpr int kCols = decltype(size<1>(values))::value;
+  const bool full = get<0>(value_coords(kRows - 1, 0)) < rows && get<1>(value_coords(0, kCols - 1)) < cols;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row_offset = get<0>(value_coords(r, 0)) - first_row;
+    float* row_ptr = base + row_offset * row_stride;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int col_offset = get<1>(value_coords(r, c)) - first_col;
+      if (full || (first_row + row_offset < rows && first_col + col_offset < cols)) {
+        atomicAdd(row_ptr + col_offset, values(r, c));
+      }
+    }
+  }
+}
+
 template <class Traits, bool kTransforms>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const AttentionBackwardParams p, bool vectorized, bool accumulate_dq) {
@@ -179,14 +208,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_smem_smem(mma_dq, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_dq_a, copy_dq_b);
-      float* dq_rows = p.dq_accum + q_shape.offset(cta.batch, m0, head);
-      const int rows = static_cast<int>(min(int64_t(kBlockM), valid_q - m0));  // dS is 0 past valid_q
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        const int row = get<0>(dq_coords(i));
-        const int col = get<1>(dq_coords(i));
-        if (row < rows && col < p.head_dim) atomicAdd(dq_rows + row * q_shape.row_stride() + col, acc_dq(i));
-      }
+      add_to_dq_accum(acc_dq, dq_coords, p.dq_accum + q_shape.offset(cta.batch, m0, head), q_shape.row_stride(),
+                      static_cast<int>(min(int64_t(kBlockM), valid_q - m0)), static_cast<int>(p.head_dim));
     }
   };
 

@@ -54,22 +54,27 @@ struct TileCopy {
     T* smem_base = smem + SmemLayout{}(row0, col0);
     const T* gmem_base = gmem + row0 * row_stride + col0;
     const int64_t pass_stride = kRowsPerPass * row_stride;
-    CUTE_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) {
+    if (vectorized) {
       CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        CUTE_UNROLL
+        for (int block = 0; block < kColumnBlocks; ++block) {
+          const bool valid = row0 + pass * kRowsPerPass < valid_rows && col0 + block * kAtomCols < head_dim;
+          const T* src = gmem_base + pass * pass_stride + block * kAtomCols;
+          cp_async_16_or_zero(smem_base + smem_step(pass, block), valid ? src : gmem, valid);
+        }
+      }
+      return;
+    }
+    for (int pass = 0; pass < kPasses; ++pass) {
       for (int block = 0; block < kColumnBlocks; ++block) {
-        T* dst = smem_base + smem_step(pass, block);
-        const T* src = gmem_base + pass * pass_stride + block * kAtomCols;
         const int row = row0 + pass * kRowsPerPass;
         const int col = col0 + block * kAtomCols;
-        if (vectorized) {
-          const bool valid = row < valid_rows && col < head_dim;
-          cp_async_16_or_zero(dst, valid ? src : gmem, valid);
-        } else {
-          CUTE_UNROLL
-          for (int e = 0; e < kChunkElems; ++e) {
-            dst[e] = (row < valid_rows && col + e < head_dim) ? src[e] : T(0);
-          }
+        T* dst = smem_base + smem_step(pass, block);
+        const T* src = gmem_base + pass * pass_stride + block * kAtomCols;
+        CUTE_UNROLL
+        for (int e = 0; e < kChunkElems; ++e) {
+          dst[e] = (row < valid_rows && col + e < head_dim) ? src[e] : T(0);
         }
       }
     }

@@ -37,7 +37,7 @@ struct OnlineSoftmax {
       for (int c = 0; c < cute::size<1>(scores); ++c) tile_max = fmaxf(tile_max, scores(r, c));
       tile_max = quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
       const float reference = tile_max == -INFINITY ? 0.0f : tile_max;
-      const float correction = exp2f((row_max[r] - reference) * to_log2);
+      const float correction = fast_exp2((row_max[r] - reference) * to_log2);
       row_max[r] = tile_max;
       row_sum[r] *= correction;
       CUTE_UNROLL
@@ -45,7 +45,7 @@ struct OnlineSoftmax {
       const float reference_log2 = reference * to_log2;
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(scores); ++c) {
-        const float p = exp2f(scores(r, c) * to_log2 - reference_log2);
+        const float p = fast_exp2(scores(r, c) * to_log2 - reference_log2);
         scores(r, c) = p;
         row_sum[r] += p;
       }

@@ -46,7 +46,7 @@ __device__ void probabilities_and_score_grads(Scores&& scores, Dp&& dp, RowStats
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(scores); ++c) {
-      const float prob = exp2f(scores(r, c) * to_log2 - stats.lse_log2[r]);
+      const float prob = fast_exp2(scores(r, c) * to_log2 - stats.lse_log2[r]);
       scores(r, c) = prob;
       dp(r, c) = prob * (kTransforms ? dp(r, c) : dp(r, c) - stats.softmax_d[r]);
     }

@@ -436,9 +436,14 @@ void bench() {
     };
     const float fwd = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
     const float bwd = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    p.deterministic = true;
+    const float bwd_deterministic = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    p.deterministic = false;
     CHECK_CUDA(cudaGetLastError());
-    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s\n",
-                causal, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9);
+    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s, "
+                "bwd deterministic %.3f ms %.1f TFLOP/s\n",
+                causal, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_deterministic,
+                2.5 * flops / bwd_deterministic * 1e-9);
   }
 }
 
