@@ -2,6 +2,7 @@
 # On the GPU machine, from the repository root (.whl carried): build the package with its CUDA kernels for
 # sm_90a, link the standalone check against the same kernel library, then run the requested stages.
 #   bash csrc/cuda/tests/device_check.sh build check sanitize bench pytest attention
+# `standalone` builds only the kernel library and the check (this folder's CMakeLists.txt), not the package.
 # Logs go to $OUT (the device tool's output folder) or /tmp/device_check.
 set -uo pipefail
 out=${OUT:-/tmp/device_check}
@@ -31,9 +32,19 @@ build() {
     csrc/cuda/tests/standalone_check.cu "$library" -o build/standalone_check
 }
 
+standalone() {
+  python3 -m pip install -q --no-deps --no-index .whl/*.whl || return 1
+  local cutlass
+  cutlass=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+  cmake -S csrc/cuda/tests -B build/cuda_tests -G Ninja -DCUTLASS_INCLUDE_DIR="$cutlass" \
+    -DJAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a} || return 1
+  cmake --build build/cuda_tests && cp build/cuda_tests/standalone_check build/standalone_check
+}
+
 for stage in "$@"; do
   case $stage in
     build) run build build ;;
+    standalone) run standalone standalone ;;
     check) run check build/standalone_check ;;
     sanitize)
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 build/standalone_check --small
