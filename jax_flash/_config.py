@@ -6,6 +6,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +16,7 @@ class ScoreConfig:
     Query row ``i`` sits at key column ``diag(i) = i + diagonal_offset`` plus, when ``align_to_sequence_end``,
     ``kv_len - q_len`` of its sequence (FlashAttention's bottom-right convention). ``causal`` keeps
     ``j <= diag(i)``; the window keeps ``diag(i) - window_left <= j <= diag(i) + window_right`` (-1: unbounded).
+    ``dropout_rate`` needs ``DenseOperands.dropout_seeds``.
     """
 
     softmax_scale: float
@@ -25,6 +27,7 @@ class ScoreConfig:
     window_left: int = -1
     window_right: int = -1
     deterministic: bool = False
+    dropout_rate: float = 0.0
 
 
 class MaskOperands(NamedTuple):
@@ -43,3 +46,30 @@ class MaskOperands(NamedTuple):
     kv_seqlens: jax.Array
     q_segment_ids: jax.Array
     kv_segment_ids: jax.Array
+
+
+class DenseOperands(NamedTuple):
+    """Bias, boolean mask and dropout seeds in the kernels' normalised form (absent: a zero-size last axis).
+
+    Attributes:
+      bias: ``[B|1, Hq|1, Sq|1, Sk|1]`` float32 (size-1 axes broadcast, read with stride 0), or ``[1, 1, 1, 0]``.
+      mask: likewise, bool (True = visible), or ``[1, 1, 1, 0]``.
+      dropout_seeds: ``[B, 2]`` uint32 Philox keys, one per batch row, or ``[B, 0]``.
+    """
+
+    bias: jax.Array
+    mask: jax.Array
+    dropout_seeds: jax.Array
+
+    @staticmethod
+    def absent(batch: int) -> "DenseOperands":
+        return DenseOperands(jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), jnp.bool_),
+                             jnp.zeros((batch, 0), jnp.uint32))
+
+    @property
+    def any_present(self) -> bool:
+        return any(x.shape[-1] != 0 for x in self)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias.shape[-1] != 0

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
 
@@ -22,6 +22,7 @@ def _score_attributes(config: ScoreConfig) -> dict[str, object]:
         diagonal_offset=np.int64(config.diagonal_offset),
         window_left=np.int64(config.window_left),
         window_right=np.int64(config.window_right),
+        dropout_rate=np.float32(config.dropout_rate),
     )
 
 
@@ -46,30 +47,36 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
     return (batch, heads_q, seqlen_q)
 
 
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
-            config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
+            dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``."""
+    dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    o, lse = call(q, k, v, *masks, **_score_attributes(config))
+    o, lse = call(q, k, v, *masks, *dense, **_score_attributes(config))
     return o, lse
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
-             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands | None = None,
+             want_dbias: bool = False) -> tuple[jax.Array, ...]:
+    """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, and ``dbias`` (float32,
+    shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
     Two extra results are workspaces the kernels need (float32 dQ accumulator, ``rowsum(dO * O) - dlse``);
     XLA allocates them, so their memory lives as long as the queued kernels.
     """
+    dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
+    dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
     results = (
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
         _result(q, q.shape, jnp.float32),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
+        jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
-                            **_score_attributes(config), deterministic=bool(config.deterministic))
-    return dq, dk, dv
+    dq, dk, dv, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks, *dense,
+                                   **_score_attributes(config), deterministic=bool(config.deterministic))
+    return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

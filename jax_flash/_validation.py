@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash._config import MaskOperands
+from jax_flash import _dropout
+from jax_flash._config import DenseOperands, MaskOperands
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -123,3 +124,35 @@ def mask_operands(q: jax.Array, k: jax.Array, *, alibi_slopes: object, q_seqlens
 
     return MaskOperands(alibi, seqlens("q_seqlens", q_seqlens), seqlens("kv_seqlens", kv_seqlens), q_segments,
                         kv_segments)
+
+
+def _broadcastable(name: str, value: object, full: tuple[int, int, int, int]) -> jax.Array:
+    """``value`` as rank 4 with each axis 1 or the full size of ``[batch, heads_q, seqlen_q, seqlen_k]``."""
+    array = jnp.asarray(value)
+    if array.ndim > 4 or any(size not in (1, f) for size, f in zip((1,) * (4 - array.ndim) + array.shape, full)):
+        raise ValueError(f"{name} must be broadcastable to [batch, heads_q, seqlen_q, seqlen_k] = {full} with "
+                         f"each axis 1 or full, got shape {array.shape}")
+    return array.reshape((1,) * (4 - array.ndim) + array.shape)
+
+
+def dense_operands(q: jax.Array, k: jax.Array, *, bias: object, mask: object, dropout_rate: float,
+                   dropout_rng: object) -> DenseOperands:
+    """Checks bias, mask and dropout arguments and brings them to the kernels' normalised form."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    full = (batch, heads_q, seqlen_q, k.shape[1])
+    absent = DenseOperands.absent(batch)
+    if bias is not None:
+        bias_array = _broadcastable("bias", bias, full)
+        if not jnp.issubdtype(bias_array.dtype, jnp.floating):
+            raise TypeError(f"bias must have a floating dtype, got {bias_array.dtype}")
+        absent = absent._replace(bias=bias_array.astype(jnp.float32))
+    if mask is not None:
+        mask_array = _broadcastable("mask", mask, full)
+        if mask_array.dtype != jnp.bool_:
+            raise TypeError(f"mask must be boolean (True = attend), got {mask_array.dtype}")
+        absent = absent._replace(mask=mask_array)
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("dropout_rng (a JAX PRNG key) is required when dropout_rate > 0")
+        absent = absent._replace(dropout_seeds=_dropout.seeds_from_key(dropout_rng, batch))
+    return absent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Literal
@@ -9,42 +10,88 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _validation, sharding
-from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash import _ffi_calls, _validation, sharding
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash.reference import attention_reference
 
 Implementation = Literal["xla"] | None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
-           config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _BackwardNeeds:
+    """What the backward must produce beyond dq/dk/dv, decided in the forward from which inputs are perturbed."""
+
+    dbias: bool
+
+
+def _forward(q, k, v, masks: MaskOperands, dense: DenseOperands, config: ScoreConfig):
+    # Bias, mask and dropout go straight to the kernels; the sharding rules cover the other operands.
+    if dense.any_present:
+        return _ffi_calls.forward(q, k, v, masks, config, dense)
     return sharding.forward(q, k, v, masks, config)
 
 
-def _flash_forward(q, k, v, masks, config):
-    o, lse = sharding.forward(q, k, v, masks, config)
-    return (o, lse), (q, k, v, masks, o, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, dense: DenseOperands,
+           config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+    return _forward(q, k, v, masks, dense, config)
+
+
+def _flash_forward(q, k, v, masks, dense, config):
+    # symbolic_zeros=True: every argument arrives as a CustomVJPPrimal(value, perturbed), so dbias is computed
+    # only when the caller differentiates with respect to the bias.
+    needs = _BackwardNeeds(dbias=bool(dense.bias.perturbed) and dense.bias.value.shape[-1] != 0)
+    q, k, v, masks, dense = jax.tree_util.tree_map(lambda x: x.value, (q, k, v, masks, dense))
+    o, lse = _forward(q, k, v, masks, dense, config)
+    return (o, lse), (q, k, v, masks, dense, o, lse, needs)
+
+
+def _materialize(cotangent, like: jax.Array) -> jax.Array:
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sums ``x`` over the axes where ``shape`` (same rank) has size 1."""
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True).astype(jnp.float32)
 
 
 def _flash_backward(config, residuals, cotangents):
-    q, k, v, masks, o, lse = residuals
-    d_o, d_lse = cotangents
-    dq, dk, dv = sharding.backward(q, k, v, o, lse, d_o, d_lse, masks, config)
-    # Mask operands are integers or (ALiBi slopes) not differentiated: zero cotangents.
-    return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, masks)
+    q, k, v, masks, dense, o, lse, needs = residuals
+    d_o, d_lse = _materialize(cotangents[0], o), _materialize(cotangents[1], lse)
+    dbias = None
+    if dense.any_present:
+        # A bias constant along the keys cancels in the softmax and only shifts lse: its gradient is exactly the
+        # lse cotangent. (The kernels' dS sums to it only up to the rounding of O in rowsum(dO * O).)
+        key_broadcast = needs.dbias and dense.bias.shape[-1] == 1
+        grads = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, config, dense,
+                                    want_dbias=needs.dbias and not key_broadcast)
+        dq, dk, dv = grads[:3]
+        if key_broadcast:
+            dbias = _sum_to_shape(jnp.where(jnp.isfinite(lse), d_lse, 0.0)[..., None], dense.bias.shape)
+        elif needs.dbias:
+            dbias = grads[3]
+    else:
+        dq, dk, dv = sharding.backward(q, k, v, o, lse, d_o, d_lse, masks, config)
+    # Mask operands are integers, booleans or (ALiBi slopes) constants: no cotangents.
+    no_cotangents = jax.tree_util.tree_map(lambda _: None, masks)
+    return dq, dk, dv, no_cotangents, DenseOperands(dbias, None, None)
 
 
-_flash.defvjp(_flash_forward, _flash_backward)
+_flash.defvjp(_flash_forward, _flash_backward, symbolic_zeros=True)
 
 
 def run(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
-        implementation: Implementation) -> tuple[jax.Array, jax.Array]:
+        implementation: Implementation, dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """Dispatches validated, normalised arguments. Returns ``(o, lse)``."""
+    dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     if implementation is None:
-        return _flash(q, k, v, masks, config)
+        return _flash(q, k, v, masks, dense, config)
     if implementation == "xla":
-        return attention_reference(q, k, v, masks, config)
+        return attention_reference(q, k, v, masks, config, dense)
     raise ValueError(f"implementation must be None (the jax_flash kernels) or 'xla', got {implementation!r}")
 
 
@@ -62,6 +109,8 @@ def attention(
     kv_seqlens: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = False,
@@ -91,8 +140,14 @@ def attention(
       q_segment_ids: ``[batch, seqlen_q]`` int: with ``kv_segment_ids`` (``[batch, seqlen_k]``), a query only
         sees keys of the same segment (packed sequences); combines with the position-based masks.
       kv_segment_ids: see ``q_segment_ids``.
-      dropout_rate: attention dropout; only 0 is supported so far.
-      dropout_rng: PRNG key for dropout (unused while dropout is unsupported).
+      bias: additive score bias broadcastable to ``[batch, heads_q, seqlen_q, seqlen_k]`` (added after ALiBi;
+        size-1 axes are read with stride 0, never materialised). Differentiable: its gradient is summed over the
+        broadcast axes, and computed only when asked for.
+      mask: boolean, broadcastable like ``bias``; False hides the key from the query.
+      dropout_rate: probability of dropping each attention probability (kept ones scale by
+        ``1 / (1 - dropout_rate)``); the kernels and ``implementation="xla"`` drop the same elements for the
+        same key (Philox, see ``csrc/common/philox.h``).
+      dropout_rng: JAX PRNG key, required when ``dropout_rate > 0``.
       deterministic: make the backward pass bit-reproducible (FlashAttention's meaning, not Flax's).
       return_lse: also return the log-sum-exp of each row's scores, ``[batch, heads_q, seqlen_q]`` float32
         (differentiable).
@@ -116,10 +171,6 @@ def attention(
     rate = _validation.static_float("dropout_rate", dropout_rate, minimum=0.0)
     if rate >= 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if rate > 0.0:
-        raise NotImplementedError("dropout_rate > 0 is not supported by the jax_flash kernels yet; use "
-                                  "dropout_rate=0 or implementation='xla' with jax.nn-style dropout outside")
-    del dropout_rng
     left, right = _validation.window("window_size", window_size)
     config = ScoreConfig(
         softmax_scale=scale,
@@ -129,10 +180,12 @@ def attention(
         window_left=left,
         window_right=right,
         deterministic=_validation.static_bool("deterministic", deterministic),
+        dropout_rate=rate,
     )
     masks = _validation.mask_operands(q, k, alibi_slopes=alibi_slopes, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    o, lse = run(q, k, v, masks, config, implementation)
+    dense = _validation.dense_operands(q, k, bias=bias, mask=mask, dropout_rate=rate, dropout_rng=dropout_rng)
+    o, lse = run(q, k, v, masks, config, implementation, dense)
     if _validation.static_bool("return_lse", return_lse):
         return o, lse.astype(jnp.float32)
     return o

@@ -51,9 +51,8 @@ def dot_product_attention(
       query: ``[batch, seqlen_q, heads_q, head_dim]`` or ``[seqlen_q, heads_q, head_dim]``.
       key: ``[batch, seqlen_k, heads_kv, head_dim]`` (or without batch), ``heads_q % heads_kv == 0``.
       value: like ``key``.
-      bias: not supported by the kernels yet (raises); use ``implementation="xla"`` via ``jax.nn``.
-      mask: not supported by the kernels yet (raises); express it with ``is_causal``, the sequence lengths or
-        ``jax_flash.attention``'s segment ids.
+      bias: additive bias broadcastable to ``[batch, heads_q, seqlen_q, seqlen_k]`` (differentiable).
+      mask: boolean, broadcastable likewise; True attends. (The GPU kernels do not take bias or mask yet.)
       scale: multiplies ``q·k``; defaults to ``1 / sqrt(head_dim)``.
       is_causal: top-left aligned causal mask.
       query_seq_lengths: ``[batch]`` int32 valid query lengths.
@@ -66,18 +65,37 @@ def dot_product_attention(
     Returns:
       The attention output shaped like ``query`` (and the residual when ``return_residual``).
     """
+    return flax_compatible_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        implementation=implementation, return_residual=return_residual)
+
+
+def flax_compatible_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``dot_product_attention`` plus attention dropout (for the Flax adapter); same arguments otherwise."""
     if implementation == "cudnn":
+        if dropout_rate > 0.0:
+            raise NotImplementedError("jax.nn's cuDNN path takes no dropout; use implementation=None")
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
             implementation="cudnn", return_residual=return_residual)
-    if bias is not None:
-        raise NotImplementedError("bias is not supported by the jax_flash kernels yet; use "
-                                  "jax.nn.dot_product_attention(implementation='xla') for an additive bias")
-    if mask is not None:
-        raise NotImplementedError("an arbitrary boolean mask is not supported by the jax_flash kernels yet; use "
-                                  "is_causal, query_seq_lengths/key_value_seq_lengths, local_window_size, or "
-                                  "jax_flash.attention's q_segment_ids/kv_segment_ids")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) not in (3, 4):
             raise ValueError(f"{name} must have rank 3 or 4, got shape {getattr(x, 'shape', None)}")
@@ -92,11 +110,15 @@ def dot_product_attention(
     softmax_scale = (1.0 / math.sqrt(query.shape[-1]) if scale is None
                      else _validation.static_float("scale", scale))
     left, right = _local_window(local_window_size)
+    rate = _validation.static_float("dropout_rate", dropout_rate, minimum=0.0)
+    if rate >= 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
     config = ScoreConfig(softmax_scale=softmax_scale, causal=_validation.static_bool("is_causal", is_causal),
-                         align_to_sequence_end=False, window_left=left, window_right=right)
+                         align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate)
     masks = _validation.mask_operands(query, key, alibi_slopes=None, q_seqlens=query_seq_lengths,
                                       kv_seqlens=key_value_seq_lengths, q_segment_ids=None, kv_segment_ids=None)
-    out, lse = run(query, key, value, masks, config, implementation)
+    dense = _validation.dense_operands(query, key, bias=bias, mask=mask, dropout_rate=rate, dropout_rng=dropout_rng)
+    out, lse = run(query, key, value, masks, config, implementation, dense)
     residual = jnp.transpose(lse, (0, 2, 1)).astype(out.dtype)
     if unbatched:
         out, residual = out[0], residual[0]

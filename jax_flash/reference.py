@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash import _dropout
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 
 
 def _visible(masks: MaskOperands, config: ScoreConfig, batch: int, seqlen_q: int, seqlen_k: int) -> jax.Array:
@@ -35,9 +36,12 @@ def _visible(masks: MaskOperands, config: ScoreConfig, batch: int, seqlen_q: int
     return visible[:, None, None], jnp.broadcast_to(diagonal, (batch, seqlen_q, 1)) - j
 
 
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
-                        config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
-    """Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq])`` for BSHD inputs; see ``jax_flash.attention``."""
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                        dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq])`` for BSHD inputs; see ``jax_flash.attention``.
+
+    Dropout uses the kernels' own Philox stream (``jax_flash._dropout``), so both drop the same elements.
+    """
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -53,6 +57,12 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOpe
         slopes = masks.alibi_slopes.astype(score_dtype).reshape(batch, heads_kv, group, 1, 1)
         scores = scores - slopes * jnp.abs(distance).astype(score_dtype)[:, None, None]
 
+    grouped = lambda x: x.reshape(x.shape[0], heads_kv if x.shape[1] != 1 else 1, group if x.shape[1] != 1 else 1,
+                                  *x.shape[2:])
+    if dense is not None and dense.bias.shape[-1]:
+        scores = scores + grouped(dense.bias.astype(score_dtype))
+    if dense is not None and dense.mask.shape[-1]:
+        visible = visible & grouped(dense.mask)
     scores = jnp.where(visible, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows: keep exp() finite
@@ -61,6 +71,9 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOpe
     empty = row_sum == 0
     safe_sum = jnp.where(empty, 1.0, row_sum)
     probs = weights / safe_sum
+    if config.dropout_rate > 0:
+        keep = _dropout.keep_mask(dense.dropout_seeds, config.dropout_rate, heads_q, seqlen_q, seqlen_k)
+        probs = jnp.where(grouped(keep), probs / (1.0 - config.dropout_rate), 0.0)
 
     o = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=score_dtype)
     o = o.reshape(batch, seqlen_q, heads_q, head_dim).astype(q.dtype)

@@ -91,14 +91,16 @@ def test_export_for_cuda_from_cpu():
     assert exported.platforms == ("cuda",)
 
 
-def _raw_forward(q, k, v, o_shape, lse_shape, masks=None):
+def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None):
     batch = q.shape[0]
     masks = masks or [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
+    dense = dense or [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
+                      jnp.zeros((batch, 0), jnp.uint32)]
     call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
                             (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)))
-    return call(q, k, v, *masks, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
+    return call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
                 align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
-                window_right=np.int64(-1))
+                window_right=np.int64(-1), dropout_rate=np.float32(0.0))
 
 
 def test_raw_target_accepts_consistent_buffers():
@@ -108,11 +110,13 @@ def test_raw_target_accepts_consistent_buffers():
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype"])
+@pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype",
+                                     "bias_shape", "bool_mask_dtype", "seeds_shape"])
 def test_raw_target_rejects_inconsistent_buffers(problem):
     """Calling the custom call directly with bad buffers is an error, never a crash or a bad write."""
     q, k, v = _inputs()
-    o_shape, lse_shape, masks = q.shape, (2, 4, 19), None
+    o_shape, lse_shape, masks, dense = q.shape, (2, 4, 19), None, None
+    absent_dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((2, 0), jnp.uint32)]
     if problem == "o_shape":
         o_shape = (2, 19, 4, 8)
     elif problem == "lse_shape":
@@ -126,8 +130,14 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
         masks = [jnp.zeros((2, 3), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
     elif problem == "mask_dtype":
         masks = [jnp.zeros((2, 0), jnp.float32), jnp.zeros((2, 1), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 3
+    elif problem == "bias_shape":
+        dense = [jnp.zeros((2, 3, 19, 23), jnp.float32)] + absent_dense[1:]
+    elif problem == "bool_mask_dtype":
+        dense = [absent_dense[0], jnp.ones((1, 1, 19, 23), jnp.int32), absent_dense[2]]
+    elif problem == "seeds_shape":
+        dense = absent_dense[:2] + [jnp.zeros((2, 3), jnp.uint32)]
     with pytest.raises(Exception, match="jax_flash"):
-        jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks))
+        jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense))
 
 
 BAD_ARGUMENTS = [
@@ -151,7 +161,7 @@ BAD_ARGUMENTS = [
     (dict(alibi_slopes=jnp.zeros((3,))), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=jnp.zeros((4,), jnp.int32)), TypeError, "alibi_slopes"),
     (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
-    (dict(dropout_rate=0.1), NotImplementedError, "dropout"),
+    (dict(dropout_rate=0.1), ValueError, "dropout_rng"),
     (dict(implementation="triton"), ValueError, "implementation"),
 ]
 

@@ -129,38 +129,38 @@ def test_names_every_argument_flax_passes():
     assert set(inspect.signature(nnx.dot_product_attention).parameters) <= ours
 
 
-def test_mask_raises_naming_the_alternatives():
-    q, k, v = _qkv((2,), 8, 8, 2, 2)
-    mask = linen.make_causal_mask(jnp.ones((2, 8)))
-    with pytest.raises(NotImplementedError) as error:
-        dot_product_attention(q, k, v, mask=mask)
-    for alternative in ("is_causal", "seqlens", "segment_ids", "implementation='xla'"):
-        assert alternative in str(error.value)
-
-
-def test_bias_raises():
-    q, k, v = _qkv((2,), 8, 8, 2, 2)
-    with pytest.raises(NotImplementedError, match="bias"):
-        dot_product_attention(q, k, v, bias=jnp.zeros((2, 2, 8, 8)))
-
-
-def test_mask_with_xla_implementation_matches_flax():
+@pytest.mark.parametrize("implementation", (None, "xla"))
+def test_masks_and_bias_match_flax(implementation):
+    """A padding mask ([batch, 1, 1, kv_len]), Flax's causal mask and a bias, through the kernels."""
     q, k, v = _qkv((2,), 8, 8, 2, 2)
     lengths = jnp.array([5, 8])
-    # A padding mask with broadcast head and query axes, [batch, 1, 1, kv_len].
-    mask = (jnp.arange(8) < lengths[:, None])[:, None, None, :]
-    np.testing.assert_allclose(
-        dot_product_attention(q, k, v, mask=mask, implementation="xla"),
-        linen.dot_product_attention(q, k, v, mask=mask),
-        rtol=F32_TOL,
-        atol=F32_TOL,
-    )
+    padding = (jnp.arange(8) < lengths[:, None])[:, None, None, :]
+    causal = linen.make_causal_mask(jnp.ones((2, 8)))
+    bias = jax.random.normal(jax.random.key(4), (2, 2, 8, 8))
+    for kwargs in (dict(mask=padding), dict(mask=causal), dict(bias=bias, mask=padding & causal.astype(bool))):
+        np.testing.assert_allclose(
+            dot_product_attention(q, k, v, implementation=implementation, **kwargs),
+            linen.dot_product_attention(q, k, v, **kwargs), rtol=F32_TOL, atol=F32_TOL)
+    ours = jax.grad(lambda b: jnp.sum(dot_product_attention(q, k, v, bias=b) ** 2))(bias)
+    theirs = jax.grad(lambda b: jnp.sum(linen.dot_product_attention(q, k, v, bias=b) ** 2))(bias)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_runs_in_the_kernels():
+    """Dropout with a key: finite, differs from the undropped output, reproducible for the same key."""
+    q, k, v = _qkv((2,), 8, 8, 2, 2)
+    key = jax.random.key(0)
+    dropped = dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=key)
+    again = dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=key)
+    plain = dot_product_attention(q, k, v)
+    assert np.all(np.isfinite(np.asarray(dropped)))
+    np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))
+    assert not np.allclose(np.asarray(dropped), np.asarray(plain))
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, "dropout"),
         ({"module": object()}, "sow_weights"),
         ({"qk_attn_weights_einsum": jnp.einsum}, "einsum"),
     ],

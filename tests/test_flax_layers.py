@@ -182,27 +182,41 @@ def test_linen_deterministic_dropout_matches_flax():
     )
 
 
-@pytest.mark.parametrize(
-    "layer_kwargs, call_kwargs, match",
-    [
-        ({}, {"mask": jnp.ones((2, 1, 8, 8), jnp.bool_)}, "is_causal"),
-        ({"dropout_rate": 0.2}, {"deterministic": False}, "dropout"),
-        ({}, {"sow_weights": True}, "sow_weights"),
-    ],
-    ids=["mask", "dropout", "sow_weights"],
-)
-def test_linen_unsupported_raise(layer_kwargs, call_kwargs, match):
-    layer = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2, **layer_kwargs)
-    x = jnp.ones((2, 8, 16))
-    with pytest.raises(NotImplementedError, match=match):
-        layer.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, **call_kwargs)
+def test_linen_sow_weights_raises():
+    layer = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2)
+    with pytest.raises(NotImplementedError, match="sow_weights"):
+        layer.init(jax.random.key(0), jnp.ones((2, 8, 16)), sow_weights=True)
 
 
-def test_linen_decode_raises():
-    layer = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2, decode=True)
-    variables = layer.init(jax.random.key(0), jnp.ones((2, 8, 16)))
-    with pytest.raises(NotImplementedError, match="decode"):
-        layer.apply(variables, jnp.ones((2, 1, 16)), mutable=["cache"])
+def test_linen_mask_and_dropout():
+    """An explicit padding mask matches Flax's layer; dropout runs and is reproducible for one key."""
+    ours = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.2)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.2)
+    x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+    mask = (jnp.arange(8) < jnp.array([5, 8])[:, None])[:, None, None, :]
+    variables = ours.init(jax.random.key(0), x, deterministic=True)
+    _assert_trees_close(ours.apply(variables, x, mask=mask, deterministic=True),
+                        theirs.apply(variables, x, mask=mask, deterministic=True), F32_TOL)
+    rngs = {"dropout": jax.random.key(1)}
+    dropped = ours.apply(variables, x, mask=mask, deterministic=False, rngs=rngs)
+    np.testing.assert_array_equal(dropped, ours.apply(variables, x, mask=mask, deterministic=False, rngs=rngs))
+    assert not np.allclose(dropped, ours.apply(variables, x, mask=mask, deterministic=True))
+
+
+def test_linen_decode_matches_flax():
+    """Autoregressive decoding: Flax builds a cache mask, which now goes to the kernels."""
+    ours = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2, decode=True)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=2, decode=True)
+    variables = ours.init(jax.random.key(0), jnp.ones((2, 8, 16)))
+    steps = jax.random.normal(jax.random.key(3), (3, 2, 1, 16))
+    cache_ours = cache_theirs = variables["cache"]
+    for step in steps:
+        out_ours, updated = ours.apply({"params": variables["params"], "cache": cache_ours}, step, mutable=["cache"])
+        cache_ours = updated["cache"]
+        out_theirs, updated = theirs.apply({"params": variables["params"], "cache": cache_theirs}, step,
+                                           mutable=["cache"])
+        cache_theirs = updated["cache"]
+        _assert_trees_close(out_ours, out_theirs, F32_TOL)
 
 
 # --- nnx -------------------------------------------------------------------
@@ -299,27 +313,21 @@ def test_nnx_bf16_matches_flax():
     _assert_trees_close(our_out, theirs(x_q, x_kv, **_nnx_call_kwargs(case)), BF16_TOL)
 
 
-@pytest.mark.parametrize(
-    "layer_kwargs, call_kwargs, match",
-    [
-        ({}, {"mask": jnp.ones((2, 1, 8, 8), jnp.bool_)}, "is_causal"),
-        ({"dropout_rate": 0.2}, {"deterministic": False}, "dropout"),
-        ({}, {"sow_weights": True}, "sow_weights"),
-    ],
-    ids=["mask", "dropout", "sow_weights"],
-)
-def test_nnx_unsupported_raise(layer_kwargs, call_kwargs, match):
-    layer = flax_layers.nnx.MultiHeadAttention(**_nnx_kwargs(CASES[0], **layer_kwargs))
-    x, _ = _inputs(CASES[0])
-    with pytest.raises(NotImplementedError, match=match):
-        layer(x, **call_kwargs)
-
-
-def test_nnx_decode_raises():
+def test_nnx_sow_weights_raises():
     layer = flax_layers.nnx.MultiHeadAttention(**_nnx_kwargs(CASES[0]))
-    layer.init_cache((2, 8, CASES[0].features))
-    with pytest.raises(NotImplementedError, match="decode"):
-        layer(jnp.ones((2, 1, CASES[0].features)), decode=True)
+    x, _ = _inputs(CASES[0])
+    with pytest.raises(NotImplementedError, match="sow_weights"):
+        layer(x, sow_weights=True)
+
+
+def test_nnx_mask_matches_flax():
+    layer = flax_layers.nnx.MultiHeadAttention(**_nnx_kwargs(CASES[0]))
+    flax_layer = nnx.MultiHeadAttention(**_nnx_kwargs(CASES[0]))
+    nnx.update(flax_layer, nnx.state(layer))
+    x, _ = _inputs(CASES[0])
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (x.shape[0], 1, x.shape[1], x.shape[1]))
+    mask = mask.at[..., 0].set(True)
+    _assert_trees_close(layer(x, mask=mask), flax_layer(x, mask=mask), F32_TOL)
 
 
 # --- linen and nnx ---------------------------------------------------------

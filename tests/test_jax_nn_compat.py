@@ -69,9 +69,13 @@ def test_gradients_match_jax_nn():
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("argument", ("bias", "mask"))
-def test_bias_and_mask_are_refused_clearly(argument):
-    q, k, v = Case().inputs()
-    extra = jnp.zeros((2, 4, 17, 17)) if argument == "bias" else jnp.ones((2, 4, 17, 17), bool)
-    with pytest.raises(NotImplementedError, match=argument):
-        jax_flash.dot_product_attention(q, k, v, **{argument: extra})
+def test_bias_and_mask_match_jax_nn():
+    case = Case(seqlen_q=14, seqlen_k=19)
+    bias = jax.random.normal(jax.random.key(1), (1, 4, 14, 19))
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (2, 1, 14, 19)).at[..., 0].set(True)
+    _compare(case, bias=bias, mask=mask)
+    q, k, v = case.inputs()
+    ours = jax.grad(lambda b: jnp.sum(jax_flash.dot_product_attention(q, k, v, bias=b, mask=mask) ** 2))(bias)
+    theirs = jax.grad(lambda b: jnp.sum(jax.nn.dot_product_attention(q, k, v, bias=b, mask=mask,
+                                                                     implementation="xla") ** 2))(bias)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-5, rtol=1e-4)

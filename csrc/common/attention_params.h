@@ -8,6 +8,17 @@ namespace jax_flash {
 
 enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// Element strides of an operand broadcastable to [batch, heads_q, seqlen_q, seqlen_k]; 0 along broadcast axes.
+// vmap folds extra leading axes into the batch: flat batch row b is (b / inner_batch, b % inner_batch), and
+// `outer` steps the first of those.
+struct BroadcastStrides {
+  int64_t outer = 0;
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t query = 0;
+  int64_t key = 0;
+};
+
 // Layout BSHD, contiguous: q/o [batch, seqlen_q, heads_q, head_dim], k/v [batch, seqlen_k, heads_kv, head_dim],
 // lse [batch, heads_q, seqlen_q] float32. `batch` is every leading axis folded together (vmap adds axes).
 struct AttentionParams {
@@ -31,6 +42,19 @@ struct AttentionParams {
   const int32_t* kv_seqlens = nullptr;      // [batch]
   const int32_t* q_segment_ids = nullptr;   // [batch, seqlen_q]
   const int32_t* kv_segment_ids = nullptr;  // [batch, seqlen_k]
+
+  // Optional dense operands, broadcastable to [batch, heads_q, seqlen_q, seqlen_k]; nullptr when absent.
+  int64_t inner_batch = 1;                   // the batch axis of q itself; see BroadcastStrides
+  const float* bias = nullptr;               // added to the scores after ALiBi
+  BroadcastStrides bias_strides;
+  const bool* mask = nullptr;                // false masks the score out
+  BroadcastStrides mask_strides;
+
+  // Dropout on the probabilities: element (b, h, i, j) is kept when philox_uniform(...) >= dropout_rate, with
+  // Philox keyed by dropout_seeds[b] (see common/philox.h for the element -> counter mapping); kept
+  // probabilities are scaled by 1 / (1 - dropout_rate). The lse is that of the undropped probabilities.
+  float dropout_rate = 0.0f;
+  const uint32_t* dropout_seeds = nullptr;   // [batch, 2]
 
   float softmax_scale = 1.0f;
   float softcap = 0.0f;  // 0 disables; else s = softcap * tanh(s / softcap)
@@ -56,6 +80,7 @@ struct AttentionBackwardParams : AttentionParams {
   // Workspaces, allocated by XLA as extra results of the call (never the FFI scratch allocator).
   float* dq_accum = nullptr;       // [batch, seqlen_q, heads_q, head_dim] float32
   float* softmax_d = nullptr;      // [batch, heads_q, seqlen_q] float32: rowsum(dO * O) - dlse
+  float* dbias = nullptr;          // like bias (same strides), float32; nullptr when not wanted
   bool deterministic = false;      // bit-reproducible gradients
 };
 

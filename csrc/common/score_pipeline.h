@@ -1,5 +1,5 @@
 // The per-element score pipeline shared by every kernel family, so that the CPU specification and the CUDA
-// kernels cannot drift apart: scale -> softcap -> ALiBi -> position/length/segment masks.
+// kernels cannot drift apart: scale -> softcap -> ALiBi -> bias -> position/length/segment/boolean masks.
 #pragma once
 
 #include <cmath>
@@ -25,6 +25,17 @@ struct SliceMask {
   float alibi_slope = 0.0f;
   const int32_t* q_segment_ids = nullptr;  // this batch row's ids, or nullptr
   const int32_t* kv_segment_ids = nullptr;
+  const float* bias = nullptr;             // element (i, j) of this slice at bias[i * query + j * key]
+  BroadcastStrides bias_strides;
+  const bool* mask = nullptr;              // likewise
+  BroadcastStrides mask_strides;
+
+  JF_HOST_DEVICE float bias_at(int64_t i, int64_t j) const {
+    return bias ? bias[i * bias_strides.query + j * bias_strides.key] : 0.0f;
+  }
+  JF_HOST_DEVICE bool mask_allows(int64_t i, int64_t j) const {
+    return mask == nullptr || mask[i * mask_strides.query + j * mask_strides.key];
+  }
 
   // First and one-past-last key column that row i can see by position alone (segments aside).
   JF_HOST_DEVICE int64_t key_begin(int64_t i) const {
@@ -41,7 +52,7 @@ struct SliceMask {
   JF_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
     if (j < key_begin(i) || j >= key_end(i)) return false;
     if (q_segment_ids != nullptr && q_segment_ids[i] != kv_segment_ids[j]) return false;
-    return true;
+    return mask_allows(i, j);
   }
 };
 
@@ -61,6 +72,17 @@ JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, in
   if (p.q_segment_ids != nullptr) {
     m.q_segment_ids = p.q_segment_ids + b * p.seqlen_q;
     m.kv_segment_ids = p.kv_segment_ids + b * p.seqlen_k;
+  }
+  const int64_t outer = b / p.inner_batch, inner = b % p.inner_batch;
+  if (p.bias != nullptr) {
+    const BroadcastStrides& s = p.bias_strides;
+    m.bias = p.bias + outer * s.outer + inner * s.batch + h * s.head;
+    m.bias_strides = s;
+  }
+  if (p.mask != nullptr) {
+    const BroadcastStrides& s = p.mask_strides;
+    m.mask = p.mask + outer * s.outer + inner * s.batch + h * s.head;
+    m.mask_strides = s;
   }
   return m;
 }

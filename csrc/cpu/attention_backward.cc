@@ -43,18 +43,28 @@ void compute_softmax_d(const AttentionBackwardParams& p, const SliceGeometry& ge
 
 struct KeyTileWork {
   std::vector<float> k, k_transposed, v_transposed, dk, dv;
-  std::vector<float> q, d_o, probs, probs_transposed, dscores, dscores_transposed, softcap_grad, dq;
+  std::vector<float> q, d_o, probs, dropped_probs, probs_transposed, dscores, dscores_transposed, softcap_grad, dq;
   explicit KeyTileWork(int64_t dp)
       : k(kKeyTile * dp), k_transposed(dp * kKeyTile), v_transposed(dp * kKeyTile), dk(kKeyTile * dp),
         dv(kKeyTile * dp), q(kQueryTile * dp), d_o(kQueryTile * dp), probs(kQueryTile * kKeyTile),
-        probs_transposed(kKeyTile * kQueryTile), dscores(kQueryTile * kKeyTile),
-        dscores_transposed(kKeyTile * kQueryTile), softcap_grad(kQueryTile * kKeyTile), dq(kQueryTile * dp) {}
+        dropped_probs(kQueryTile * kKeyTile), probs_transposed(kKeyTile * kQueryTile),
+        dscores(kQueryTile * kKeyTile), dscores_transposed(kKeyTile * kQueryTile),
+        softcap_grad(kQueryTile * kKeyTile), dq(kQueryTile * dp) {}
 };
 
-// Adds one query tile's contribution to dK/dV of the key tile in `work`, and its dQ to dq_partial
-// ([seqlen_q, heads_q, head_dim] of this batch row).
+// Where a task adds the gradient of the scores with respect to the bias: this slice's corner of its dbias
+// partial (strides of the bias; 0 along broadcast axes), or nullptr when dbias is not wanted.
+struct DbiasTarget {
+  float* slice = nullptr;
+  int64_t query_stride = 0;
+  int64_t key_stride = 0;
+};
+
+// Adds one query tile's contribution to dK/dV of the key tile in `work`, its dQ to dq_partial
+// ([seqlen_q, heads_q, head_dim] of this batch row) and its dbias to `dbias`.
 void accumulate_query_tile(const AttentionBackwardParams& p, const SliceGeometry& geometry, const SliceMask& mask,
-                           int64_t b, int64_t h, int64_t i0, int64_t j0, KeyTileWork& work, float* dq_partial) {
+                           int64_t b, int64_t h, int64_t i0, int64_t j0, KeyTileWork& work, float* dq_partial,
+                           const DbiasTarget& dbias) {
   const int64_t dp = geometry.padded_head_dim;
   const int64_t rows = std::min(kQueryTile, p.seqlen_q - i0);
   const int64_t cols = std::min(kKeyTile, p.seqlen_k - j0);
@@ -80,7 +90,17 @@ void accumulate_query_tile(const AttentionBackwardParams& p, const SliceGeometry
     exp_shifted_and_sum(row, kKeyTile, lse[r]);
   }
 
-  transpose(work.probs.data(), kKeyTile, kQueryTile, kKeyTile, work.probs_transposed.data(), kQueryTile);
+  // With dropout, O = dropout(P) V: dV sees the dropped probabilities, and dP = dropout(dO V^T) (the same
+  // keep mask and scale). D = rowsum(dO * O) - dlse is unchanged.
+  const bool dropout = p.dropout_rate > 0.0f;
+  const float* probs_for_v = work.probs.data();
+  if (dropout) {
+    std::copy(work.probs.begin(), work.probs.end(), work.dropped_probs.begin());
+    for (int64_t r = 0; r < rows; ++r)
+      dropout_row(dropout_for_row(p, b, h, i0 + r), j0, kKeyTile, work.dropped_probs.data() + r * kKeyTile);
+    probs_for_v = work.dropped_probs.data();
+  }
+  transpose(probs_for_v, kKeyTile, kQueryTile, kKeyTile, work.probs_transposed.data(), kQueryTile);
   gemm_accumulate(kKeyTile, dp, kQueryTile, work.probs_transposed.data(), kQueryTile, work.d_o.data(), dp,
                   work.dv.data(), dp);
 
@@ -89,11 +109,16 @@ void accumulate_query_tile(const AttentionBackwardParams& p, const SliceGeometry
                   work.dscores.data(), kKeyTile);
   for (int64_t r = 0; r < kQueryTile; ++r) {
     float* ds = work.dscores.data() + r * kKeyTile;
+    if (dropout && r < rows) dropout_row(dropout_for_row(p, b, h, i0 + r), j0, kKeyTile, ds);
     const float* prob = work.probs.data() + r * kKeyTile;
     const float* grad = work.softcap_grad.data() + r * kKeyTile;
     const float d_row = r < rows ? softmax_d[r] : 0.0f;
-    for (int64_t c = 0; c < kKeyTile; ++c)
-      ds[c] = prob[c] == 0.0f ? 0.0f : prob[c] * (ds[c] - d_row) * grad[c] * p.softmax_scale;
+    float* dbias_row = dbias.slice && r < rows ? dbias.slice + (i0 + r) * dbias.query_stride : nullptr;
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      const float dscore = prob[c] == 0.0f ? 0.0f : prob[c] * (ds[c] - d_row);  // d loss / d (biased score)
+      if (dbias_row && c < cols) dbias_row[(j0 + c) * dbias.key_stride] += dscore;
+      ds[c] = dscore * grad[c] * p.softmax_scale;
+    }
   }
 
   transpose(work.dscores.data(), kKeyTile, kQueryTile, kKeyTile, work.dscores_transposed.data(), kQueryTile);
@@ -133,6 +158,30 @@ void attention_backward(const AttentionBackwardParams& p) {
     return base + b * batch_dq_elements;
   };
 
+  // dbias: tasks that add into the same elements (the bias is broadcast along their batch rows, KV heads or
+  // key chunks) get separate partials, summed in a fixed order at the end.
+  const BroadcastStrides& bias_strides = p.bias_strides;
+  const int64_t dbias_elements = p.dbias ? (p.batch / p.inner_batch) * bias_strides.outer : 0;
+  const int64_t batch_slots = bias_strides.batch == 0 ? p.inner_batch : 1;
+  const int64_t head_slots = bias_strides.head == 0 ? p.heads_kv : 1;
+  const int64_t chunk_slots = bias_strides.key == 0 ? chunks : 1;
+  const int64_t dbias_slots = p.dbias ? batch_slots * head_slots * chunk_slots : 0;
+  if (p.dbias) std::fill(p.dbias, p.dbias + dbias_elements, 0.0f);
+  std::vector<float> extra_dbias(dbias_slots > 1 ? (dbias_slots - 1) * dbias_elements : 0, 0.0f);
+  auto dbias_target = [&](int64_t b, int64_t h, int64_t kv_head, int64_t chunk) {
+    DbiasTarget target;
+    if (!p.dbias) return target;
+    const int64_t slot = ((bias_strides.batch == 0 ? b % p.inner_batch : 0) * head_slots +
+                          (bias_strides.head == 0 ? kv_head : 0)) * chunk_slots +
+                         (bias_strides.key == 0 ? chunk : 0);
+    float* base = slot == 0 ? p.dbias : extra_dbias.data() + (slot - 1) * dbias_elements;
+    target.slice = base + (b / p.inner_batch) * bias_strides.outer + (b % p.inner_batch) * bias_strides.batch +
+                   h * bias_strides.head;
+    target.query_stride = bias_strides.query;
+    target.key_stride = bias_strides.key;
+    return target;
+  };
+
   parallel_for(slices * chunks, [&](int64_t task) {
     const int64_t chunk = task % chunks;
     const int64_t kv_head = (task / chunks) % p.heads_kv;
@@ -155,7 +204,8 @@ void attention_backward(const AttentionBackwardParams& p) {
         for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += kQueryTile) {
           const auto [lo, hi] = visible_key_range(mask, i0, std::min(kQueryTile, p.seqlen_q - i0));
           if (hi <= j0 || lo >= j0 + kKeyTile) continue;
-          accumulate_query_tile(p, geometry, mask, b, h, i0, j0, work, dq_partial(chunk, b));
+          accumulate_query_tile(p, geometry, mask, b, h, i0, j0, work, dq_partial(chunk, b),
+                                dbias_target(b, h, kv_head, chunk));
         }
       }
       const int64_t rows = std::min(kKeyTile, p.seqlen_k - j0);
@@ -165,6 +215,11 @@ void attention_backward(const AttentionBackwardParams& p) {
                  p.element_type, geometry.kv_row_stride, j0);
     }
   });
+
+  for (int64_t slot = 1; slot < dbias_slots; ++slot) {
+    const float* partial = extra_dbias.data() + (slot - 1) * dbias_elements;
+    for (int64_t e = 0; e < dbias_elements; ++e) p.dbias[e] += partial[e];
+  }
 
   // Sum the chunk partials in chunk order and convert dQ to the input type.
   const int64_t total_rows = p.batch * p.seqlen_q * p.heads_q;

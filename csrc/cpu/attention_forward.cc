@@ -63,6 +63,9 @@ void attention_forward(const AttentionParams& p) {
         const float correction = std::exp(running_max[r] - new_max);  // exp(-inf) = 0 on the first block
         running_sum[r] = running_sum[r] * correction + exp_shifted_and_sum(row, kKeyTile, new_max);
         running_max[r] = new_max;
+        if (p.dropout_rate > 0.0f) {  // the row sum (and lse) are of the undropped probabilities
+          dropout_row(dropout_for_row(p, b, h, i0 + r), j0, kKeyTile, row);
+        }
         float* acc_row = acc.data() + r * dp;
         for (int64_t d = 0; d < dp; ++d) acc_row[d] *= correction;
       }

@@ -37,6 +37,13 @@ void score_row(const SliceMask& mask, const ScoreSettings& settings, int64_t i, 
       scores[c] -= mask.alibi_slope * static_cast<float>(distance < 0 ? -distance : distance);
     }
   }
+  if (mask.bias != nullptr) {
+    for (int64_t c = lo; c < hi; ++c) scores[c] += mask.bias_at(i, j0 + c);
+  }
+  if (mask.mask != nullptr) {
+    for (int64_t c = lo; c < hi; ++c)
+      if (!mask.mask_allows(i, j0 + c)) scores[c] = kNegativeInfinity;
+  }
   if (mask.q_segment_ids != nullptr) {
     const int32_t segment = mask.q_segment_ids[i];
     for (int64_t c = lo; c < hi; ++c)
@@ -88,6 +95,12 @@ float exp_shifted_and_sum(float* row, int64_t n, float shift) {
     sum += e;
   }
   return sum;
+}
+
+void dropout_row(const DropoutRow& dropout, int64_t j0, int64_t n, float* row) {
+  const float keep_scale = 1.0f / (1.0f - dropout.rate);
+  for (int64_t c = 0; c < n; ++c)
+    row[c] = dropout_keeps(dropout.seed, dropout.threshold, dropout.linear_base + j0 + c) ? row[c] * keep_scale : 0.0f;
 }
 
 JF_VECTOR_CLONES

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../common/philox.h"
 #include "../common/score_pipeline.h"
 
 namespace jax_flash::cpu {
@@ -20,6 +21,17 @@ void score_row(const SliceMask& mask, const ScoreSettings& settings, int64_t i, 
 
 // row[c] = exp(row[c] - shift) in place for c < n; returns the sum. exp(-inf) is exactly 0.
 float exp_shifted_and_sum(float* row, int64_t n, float shift);
+
+// Dropout of one query row: which elements survive and by how much the survivors are scaled.
+struct DropoutRow {
+  float rate;
+  uint32_t threshold;
+  const uint32_t* seed;   // this batch row's Philox key
+  int64_t linear_base;    // (h * seqlen_q + i) * seqlen_k: the linear index of key 0
+};
+
+// row[c] *= 1 / (1 - rate) where key j0 + c survives, 0 where it is dropped, for c < n.
+void dropout_row(const DropoutRow& dropout, int64_t j0, int64_t n, float* row);
 
 // Largest element of row[0..n), -inf for an all -inf row.
 float row_max(const float* row, int64_t n);

@@ -7,6 +7,7 @@
 
 #include "../common/score_pipeline.h"
 #include "element_convert.h"
+#include "row_ops.h"
 #include "tile_gemm.h"
 
 namespace jax_flash::cpu {
@@ -52,6 +53,12 @@ inline std::pair<int64_t, int64_t> visible_key_range(const SliceMask& mask, int6
     hi = std::max(hi, end);
   }
   return lo < hi ? std::make_pair(lo, hi) : std::make_pair<int64_t, int64_t>(0, 0);
+}
+
+// Dropout settings of query row i of slice (b, h).
+inline DropoutRow dropout_for_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  return {p.dropout_rate, dropout_threshold(p.dropout_rate), p.dropout_seeds + 2 * b,
+          (h * p.seqlen_q + i) * p.seqlen_k};
 }
 
 }  // namespace jax_flash::cpu

@@ -1,5 +1,6 @@
 #include "attention_call.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -59,6 +60,17 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   JF_RETURN_IF_ERROR(expect_optional("kv_segment_ids", masks.kv_segment_ids, ffi::DataType::S32, batch, seqlen_k,
                                      &has_kv_segments));
   if (has_q_segments != has_kv_segments) return invalid("q_segment_ids and kv_segment_ids go together");
+  const std::vector<int64_t> vmap_dims(batch.begin(), batch.end() - 1);
+  const int64_t broadcast_full[4] = {batch.back(), heads_q, seqlen_q, seqlen_k};
+  bool has_bias, has_mask, has_dropout;
+  JF_RETURN_IF_ERROR(expect_broadcastable("bias", masks.bias, ffi::DataType::F32, vmap_dims, broadcast_full,
+                                          &has_bias, &p->bias_strides));
+  JF_RETURN_IF_ERROR(expect_broadcastable("mask", masks.mask, ffi::DataType::PRED, vmap_dims, broadcast_full,
+                                          &has_mask, &p->mask_strides));
+  JF_RETURN_IF_ERROR(
+      expect_optional("dropout_seeds", masks.dropout_seeds, ffi::DataType::U32, batch, 2, &has_dropout));
+  if (!(a.dropout_rate >= 0.0f && a.dropout_rate < 1.0f)) return invalid("dropout_rate must be in [0, 1)");
+  if (a.dropout_rate > 0.0f && !has_dropout) return invalid("dropout_rate > 0 needs dropout_seeds");
 
   if (!std::isfinite(a.softmax_scale)) return invalid("softmax_scale must be finite");
   if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) return invalid("softcap must be finite and >= 0");
@@ -82,6 +94,11 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   p->kv_seqlens = has_kv_seqlens ? static_cast<const int32_t*>(masks.kv_seqlens.untyped_data()) : nullptr;
   p->q_segment_ids = has_q_segments ? static_cast<const int32_t*>(masks.q_segment_ids.untyped_data()) : nullptr;
   p->kv_segment_ids = has_kv_segments ? static_cast<const int32_t*>(masks.kv_segment_ids.untyped_data()) : nullptr;
+  p->inner_batch = batch.back();
+  p->bias = has_bias ? static_cast<const float*>(masks.bias.untyped_data()) : nullptr;
+  p->mask = has_mask ? static_cast<const bool*>(masks.mask.untyped_data()) : nullptr;
+  p->dropout_rate = has_dropout ? a.dropout_rate : 0.0f;
+  p->dropout_seeds = has_dropout ? static_cast<const uint32_t*>(masks.dropout_seeds.untyped_data()) : nullptr;
   p->softmax_scale = a.softmax_scale;
   p->softcap = a.softcap;
   p->causal = a.causal;
@@ -115,6 +132,20 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
                                    {p->seqlen_q, p->heads_q, p->head_dim}));
   JF_RETURN_IF_ERROR(
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
+  // dbias: the bias's shape when the caller differentiates with respect to the bias, else a placeholder.
+  const std::vector<int64_t> vmap_dims(batch.begin(), batch.end() - 1);
+  const int64_t broadcast_full[4] = {batch.back(), p->heads_q, p->seqlen_q, p->seqlen_k};
+  bool wants_dbias;
+  BroadcastStrides dbias_strides;
+  JF_RETURN_IF_ERROR(expect_broadcastable("dbias", out.dbias, ffi::DataType::F32, vmap_dims, broadcast_full,
+                                          &wants_dbias, &dbias_strides));
+  if (wants_dbias) {
+    if (p->bias == nullptr) return invalid("dbias requested without a bias");
+    if (out.dbias.dimensions().size() != masks.bias.dimensions().size() ||
+        !std::equal(out.dbias.dimensions().begin(), out.dbias.dimensions().end(), masks.bias.dimensions().begin()))
+      return invalid("dbias must have the shape of bias");
+  }
+  p->dbias = wants_dbias ? static_cast<float*>(out.dbias.untyped_data()) : nullptr;
   p->d_o = in.d_o.untyped_data();
   p->d_lse = static_cast<const float*>(in.d_lse.untyped_data());
   p->dq = out.dq.untyped_data();

@@ -23,6 +23,9 @@ struct MaskOperands {
   ffi::AnyBuffer kv_seqlens;      // [*batch, 1 | 0] int32
   ffi::AnyBuffer q_segment_ids;   // [*batch, seqlen_q | 0] int32
   ffi::AnyBuffer kv_segment_ids;  // [*batch, seqlen_k | 0] int32
+  ffi::AnyBuffer bias;            // [*vmap, batch|1, heads_q|1, seqlen_q|1, seqlen_k|1] float32, or [*vmap, 1, 1, 1, 0]
+  ffi::AnyBuffer mask;            // likewise, bool (true = visible)
+  ffi::AnyBuffer dropout_seeds;   // [*batch, 2 | 0] uint32
 };
 
 struct ScoreAttributes {
@@ -33,6 +36,7 @@ struct ScoreAttributes {
   int64_t diagonal_offset;
   int64_t window_left;
   int64_t window_right;
+  float dropout_rate;
 };
 
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
@@ -44,6 +48,7 @@ struct BackwardOperands {
 };
 struct BackwardResults {
   ffi::AnyBuffer dq, dk, dv, dq_accum, softmax_d;
+  ffi::AnyBuffer dbias;  // like the bias operand (float32), or [*vmap, 1, 1, 1, 0] when not wanted
 };
 
 ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks, const BackwardResults& out,
@@ -58,7 +63,8 @@ auto bind_score_attributes(Binding binding) {
       .template Attr<bool>("align_to_sequence_end")
       .template Attr<int64_t>("diagonal_offset")
       .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right");
+      .template Attr<int64_t>("window_right")
+      .template Attr<float>("dropout_rate");
 }
 
 template <typename Binding>
@@ -67,7 +73,10 @@ auto bind_mask_operands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // q_seqlens
       .template Arg<ffi::AnyBuffer>()            // kv_seqlens
       .template Arg<ffi::AnyBuffer>()            // q_segment_ids
-      .template Arg<ffi::AnyBuffer>();           // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()            // bias
+      .template Arg<ffi::AnyBuffer>()            // mask
+      .template Arg<ffi::AnyBuffer>();           // dropout_seeds
 }
 
 // forward(q, k, v, masks...) -> (o, lse). Bindings can only be moved by their own methods, so each chain is
@@ -82,7 +91,7 @@ auto bind_forward(Binding binding) {
                                    .template Ret<ffi::AnyBuffer>());                    // lse
 }
 
-// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, dq_accum, softmax_d)
+// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, dq_accum, softmax_d, dbias)
 template <typename Binding>
 auto bind_backward(Binding binding) {
   return bind_score_attributes(bind_mask_operands(std::move(binding)
@@ -97,7 +106,8 @@ auto bind_backward(Binding binding) {
                                    .template Ret<ffi::AnyBuffer>()                      // dk
                                    .template Ret<ffi::AnyBuffer>()                      // dv
                                    .template Ret<ffi::AnyBuffer>()                      // dq_accum (workspace)
-                                   .template Ret<ffi::AnyBuffer>())                     // softmax_d (workspace)
+                                   .template Ret<ffi::AnyBuffer>()                      // softmax_d (workspace)
+                                   .template Ret<ffi::AnyBuffer>())                     // dbias
       .template Attr<bool>("deterministic");
 }
 

@@ -41,4 +41,35 @@ std::optional<ffi::Error> expect_optional(const char* name, const ffi::AnyBuffer
   return expect_buffer(name, buffer, type, batch_dims, {*present ? present_size : 0});
 }
 
+std::optional<ffi::Error> expect_broadcastable(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
+                                               const std::vector<int64_t>& vmap_dims,
+                                               const int64_t (&full)[4], bool* present,
+                                               BroadcastStrides* strides) {
+  const auto dims = buffer.dimensions();
+  const size_t rank = vmap_dims.size() + 4;
+  *present = dims.size() == rank && dims.back() != 0;
+  if (!*present) return expect_buffer(name, buffer, type, vmap_dims, {1, 1, 1, 0});
+  bool ok = buffer.element_type() == type &&
+            std::vector<int64_t>(dims.begin(), dims.begin() + vmap_dims.size()) == vmap_dims;
+  int64_t axis_strides[4];
+  int64_t stride = 1;
+  for (int axis = 3; axis >= 0; --axis) {
+    const int64_t size = dims[vmap_dims.size() + axis];
+    ok = ok && (size == 1 || size == full[axis]);
+    axis_strides[axis] = size == 1 ? 0 : stride;
+    stride *= size;
+  }
+  if (!ok) {
+    std::ostringstream message;
+    message << "jax_flash: buffer `" << name << "` has shape " << format_dims(dims) << " and type code "
+            << static_cast<int>(buffer.element_type()) << "; expected the vmap axes "
+            << format_dims(ffi::Span<const int64_t>(vmap_dims.data(), vmap_dims.size()))
+            << " followed by four axes broadcastable to "
+            << format_dims(ffi::Span<const int64_t>(full, 4)) << ", type code " << static_cast<int>(type);
+    return ffi::Error::InvalidArgument(message.str());
+  }
+  *strides = {stride, axis_strides[0], axis_strides[1], axis_strides[2], axis_strides[3]};
+  return std::nullopt;
+}
+
 }  // namespace jax_flash::ffi_boundary

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/attention_params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flash::ffi_boundary {
@@ -30,5 +31,12 @@ std::optional<ffi::Error> expect_buffer(const char* name, const ffi::AnyBuffer& 
 std::optional<ffi::Error> expect_optional(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
                                           const std::vector<int64_t>& batch_dims, int64_t present_size,
                                           bool* present);
+
+// A dense operand broadcastable to [batch, heads_q, seqlen_q, seqlen_k]: its dims are q's vmap axes followed by
+// four axes, each 1 or full size; absent when its last axis is 0. Fills the element strides (0 where broadcast).
+std::optional<ffi::Error> expect_broadcastable(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType type,
+                                               const std::vector<int64_t>& vmap_dims,
+                                               const int64_t (&full)[4], bool* present,
+                                               BroadcastStrides* strides);
 
 }  // namespace jax_flash::ffi_boundary

@@ -2,6 +2,8 @@
 // synchronisation and no scratch allocation, so the calls can be captured into command buffers (CUDA graphs).
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "../cuda/launch.h"
 #include "attention_call.h"
 #include "handlers.h"
@@ -14,35 +16,50 @@ ffi::Error to_ffi_error(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInternal, "jax_flash (CUDA): " + message);
 }
 
+// Semantics the CPU handlers have and the CUDA kernels do not yet: refused, never silently ignored.
+std::string unsupported_on_gpu(const AttentionParams& p) {
+  if (p.bias != nullptr) return "an additive bias is not supported by the CUDA kernels yet";
+  if (p.mask != nullptr) return "a boolean mask is not supported by the CUDA kernels yet";
+  if (p.dropout_rate > 0.0f) return "dropout is not supported by the CUDA kernels yet";
+  return {};
+}
+
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
-                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, float softcap, bool causal,
                         bool align_to_sequence_end, int64_t diagonal_offset, int64_t window_left,
                         int64_t window_right) {
   AttentionParams params;
   ffi::Error error = decode_forward(
-      q, k, v, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids}, *o, *lse,
-      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right}, &params);
+      q, k, v, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, dropout_seeds}, *o, *lse,
+      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
+       dropout_rate}, &params);
   if (error.failure()) return error;
+  if (std::string unsupported = unsupported_on_gpu(params); !unsupported.empty()) return to_ffi_error(unsupported);
   return to_ffi_error(cuda::run_forward(params, stream));
 }
 
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer d_lse,
                          ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
-                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> dq,
+                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                         ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                          ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> softmax_d,
+                        ffi::Result<ffi::AnyBuffer> dbias,
                          float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
-                         int64_t diagonal_offset, int64_t window_left, int64_t window_right, bool deterministic) {
+                         int64_t diagonal_offset, int64_t window_left, int64_t window_right, float dropout_rate, bool deterministic) {
   AttentionBackwardParams params;
   ffi::Error error = decode_backward(
-      {q, k, v, o, lse, d_o, d_lse}, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids},
-      {*dq, *dk, *dv, *dq_accum, *softmax_d},
-      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right},
+      {q, k, v, o, lse, d_o, d_lse}, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, dropout_seeds},
+      {*dq, *dk, *dv, *dq_accum, *softmax_d, *dbias},
+      {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
+       dropout_rate},
       deterministic, &params);
   if (error.failure()) return error;
+  if (std::string unsupported = unsupported_on_gpu(params); !unsupported.empty()) return to_ffi_error(unsupported);
   return to_ffi_error(cuda::run_backward(params, stream));
 }
 

@@ -18,20 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
-import jax_flash
+from jax_flash.jax_nn_compat import flax_compatible_attention
 
 Array = jax.Array
-
-_MASK_ALTERNATIVES = (
-    "express it with what the kernels support instead: `is_causal=True` "
-    "(a causal mask), per-sequence lengths (`q_seqlens` / `kv_seqlens` of "
-    "`jax_flash.attention`, for padding), or segment ids (`q_segment_ids` / "
-    "`kv_segment_ids`, for packed sequences); or compute it unfused by "
-    "binding `implementation='xla'`, e.g. "
-    "`attention_fn=functools.partial(jax_flash.flax_layers.dot_product_attention, "
-    "implementation='xla')`."
-)
-
 
 def dot_product_attention(
     query: Array,
@@ -69,30 +58,26 @@ def dot_product_attention(
     is aligned top-left (query ``i`` sees keys ``j <= i``), as in Flax and
     ``jax.nn.dot_product_attention``.
 
-    Not supported by the fused kernels (each raises ``NotImplementedError`` whose
-    message names the alternatives): an explicit ``mask`` or ``bias`` (this
-    includes the mask Flax builds for autoregressive ``decode``), attention
-    dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing the
-    attention weights (``module``, i.e. ``sow_weights=True``), which fused
-    kernels never materialise, and custom einsums. With ``implementation='xla'``
-    a ``mask`` or ``bias`` is applied unfused by ``jax.nn.dot_product_attention``'s
-    XLA path (what Flax's own ``attention_fn`` runs); with ``'cudnn'`` cuDNN
-    applies it.
+    Masks (padding masks, ``nn.make_causal_mask``, the ``decode`` cache mask),
+    additive biases and attention dropout go to the kernels (on the CPU today;
+    the GPU kernels refuse them with a clear error until they support them).
+    Dropout masks are drawn independently for every (batch, head, query, key)
+    element, as with Flax's ``broadcast_dropout=False``, whatever that flag says.
+    Not supported (each raises ``NotImplementedError``): sowing the attention
+    weights (``module``, i.e. ``sow_weights=True``), which fused kernels never
+    materialise, and custom einsums.
 
     Args:
       query: queries, ``[batch..., q_length, num_heads, head_dim]``.
       key: keys, ``[batch..., kv_length, num_kv_heads, head_dim]``.
       value: values, ``[batch..., kv_length, num_kv_heads, head_dim]``.
       bias: additive score bias broadcastable to
-        ``[batch..., num_heads, q_length, kv_length]``; only with
-        ``implementation`` ``'xla'`` or ``'cudnn'``.
+        ``[batch..., num_heads, q_length, kv_length]`` (differentiable).
       mask: boolean mask (``False`` = masked out) broadcastable to
-        ``[batch..., num_heads, q_length, kv_length]``; only with
-        ``implementation`` ``'xla'`` or ``'cudnn'``.
-      broadcast_dropout: Flax's dropout-broadcast flag; unused, since dropout is
-        not supported yet.
-      dropout_rng: PRNG key for dropout; unused, since dropout is not supported
-        yet.
+        ``[batch..., num_heads, q_length, kv_length]``.
+      broadcast_dropout: Flax's dropout-broadcast flag; accepted, but masks are
+        always independent per element.
+      dropout_rng: PRNG key for dropout, required when dropout is active.
       dropout_rate: attention dropout probability.
       deterministic: Flax's meaning: ``True`` disables dropout. Not jax_flash's
         ``deterministic`` (a bit-reproducible backward pass).
@@ -112,9 +97,8 @@ def dot_product_attention(
         ``promote_dtype``.
       is_causal: apply a top-left aligned causal mask.
       implementation: forwarded to ``jax_flash.dot_product_attention``: ``None``
-        runs jax_flash's kernels, ``'xla'`` its pure-JAX reference (or, given a
-        ``mask`` or ``bias``, ``jax.nn``'s XLA path), ``'cudnn'`` cuDNN through
-        ``jax.nn.dot_product_attention``.
+        runs jax_flash's kernels, ``'xla'`` its pure-JAX reference, ``'cudnn'``
+        cuDNN through ``jax.nn.dot_product_attention``.
 
     Returns:
       The attention output, ``[batch..., q_length, num_heads, head_dim]``, in the
@@ -126,8 +110,6 @@ def dot_product_attention(
         ``value`` disagree.
     """
     _check_supported(
-        bias=bias,
-        mask=mask,
         dropout_rate=dropout_rate,
         deterministic=deterministic,
         module=module,
@@ -151,23 +133,17 @@ def dot_product_attention(
         bias = _fold_batch(bias, batch_shape)
     if mask is not None:
         mask = _fold_batch(mask.astype(jnp.bool_), batch_shape)
-    if implementation == "xla" and (mask is not None or bias is not None):
-        # jax_flash's reference mirrors the kernels and so takes no arbitrary
-        # mask; jax.nn's XLA path does, with the semantics Flax users expect.
-        out = jax.nn.dot_product_attention(
-            query, key, value, bias, mask, is_causal=is_causal, implementation="xla"
-        )
-    else:
-        out = jax_flash.dot_product_attention(
-            query, key, value, bias, mask, is_causal=is_causal, implementation=implementation
-        )
+    # Flax's `deterministic` means "no dropout" (never jax_flash's reproducible backward).
+    rate = 0.0 if deterministic else dropout_rate
+    out = flax_compatible_attention(
+        query, key, value, bias, mask, is_causal=is_causal, implementation=implementation,
+        dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+    )
     return out.reshape(batch_shape + out.shape[1:])
 
 
 def _check_supported(
     *,
-    bias: Array | None,
-    mask: Array | None,
     dropout_rate: float,
     deterministic: bool,
     module: Any | None,
@@ -175,20 +151,8 @@ def _check_supported(
     implementation: str | None,
 ) -> None:
     """Raises for the Flax arguments the fused kernels cannot honour."""
-    if implementation not in ("xla", "cudnn"):
-        for name, array in (("mask", mask), ("bias", bias)):
-            if array is not None:
-                raise NotImplementedError(
-                    f"jax_flash's fused kernels do not take an arbitrary attention "
-                    f"{name} (Flax passes one for padding masks, "
-                    f"`nn.make_causal_mask` and `decode=True`); {_MASK_ALTERNATIVES}"
-                )
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(
-            "jax_flash's kernels do not implement attention dropout yet: use "
-            "dropout_rate=0.0, call the layer with deterministic=True, or use "
-            "Flax's own attention_fn for training with attention dropout."
-        )
+    if dropout_rate > 0.0 and not deterministic and implementation == "cudnn":
+        raise NotImplementedError("jax.nn's cuDNN path takes no attention dropout; use implementation=None")
     if module is not None:
         raise NotImplementedError(
             "sow_weights=True asks for the attention weights, which fused kernels "

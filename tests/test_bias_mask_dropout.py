@@ -1,0 +1,145 @@
+"""Additive bias, boolean mask and dropout: values and gradients (dbias included) against the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _dropout
+from attention_cases import Case, assert_within_bound, grads, oracle, oracle_grads
+
+CASE = Case(seqlen_q=37, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=24)
+BIAS_SHAPES = [(2, 4, 37, 70), (4, 37, 70), (1, 4, 1, 70), (2, 1, 37, 1), (70,), (37, 1)]
+
+
+def _bias(shape, seed=1):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_bias_values_and_gradients(shape, dtype):
+    case = Case(**{**CASE.__dict__, "dtype": dtype})
+    q, k, v = case.inputs()
+    bias = _bias(shape)
+    kwargs = dict(bias=bias, causal=True)
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    o_xla, lse_xla = jax_flash.attention(q, k, v, return_lse=True, implementation="xla", **kwargs)
+    o_ref, lse_ref = oracle(q, k, v, **kwargs)
+    assert_within_bound("o", o, o_xla, o_ref, dtype)
+    assert_within_bound("lse", lse, lse_xla, lse_ref, jnp.float32)
+
+    d_o = jax.random.normal(jax.random.key(7), q.shape).astype(dtype)
+    loss = lambda impl: (lambda b: jnp.sum((jax_flash.attention(q, k, v, bias=b, causal=True, implementation=impl)
+                                            * d_o).astype(jnp.float32)))
+    dbias = jax.grad(loss(None))(bias)
+    dbias_xla = jax.grad(loss("xla"))(bias)
+    with jax.enable_x64(True):
+        q64, k64, v64, d_o64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, d_o))
+        dbias_ref = jax.grad(lambda b: jnp.sum(jax_flash.attention(q64, k64, v64, bias=b, causal=True,
+                                                                   implementation="xla") * d_o64))(
+            jnp.asarray(bias, jnp.float64))
+    assert dbias.shape == bias.shape
+    assert_within_bound("dbias", dbias, dbias_xla, np.asarray(dbias_ref), dtype, scale=4.0)
+    for name, g, g_xla, g_ref in zip(("dq", "dk", "dv"), grads(q, k, v, d_o, **kwargs),
+                                     grads(q, k, v, d_o, implementation="xla", **kwargs),
+                                     oracle_grads(q, k, v, d_o, **kwargs)):
+        assert_within_bound(name, g, g_xla, g_ref, dtype, scale=4.0)
+
+
+def test_mask_with_fully_masked_rows():
+    q, k, v = CASE.inputs()
+    mask = jax.random.bernoulli(jax.random.key(3), 0.6, (2, 1, 37, 70)).at[0, :, 5].set(False)
+    kwargs = dict(mask=mask, window_size=(30, 10))
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    o_ref, lse_ref = oracle(q, k, v, **kwargs)
+    assert np.all(np.isneginf(np.asarray(lse)[0, :, 5])) and np.all(np.asarray(o)[0, 5] == 0)
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5)
+    d_o = jnp.ones_like(q)
+    for g, r in zip(grads(q, k, v, d_o, **kwargs), oracle_grads(q, k, v, d_o, **kwargs)):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), r, atol=5e-5)
+
+
+def test_dbias_only_when_differentiated():
+    """Differentiating with respect to q alone asks the backward for an empty dbias."""
+    q, k, v = CASE.inputs()
+    bias = _bias((4, 37, 70))
+    text = jax.jit(jax.grad(lambda q_: jnp.sum(jax_flash.attention(q_, k, v, bias=bias)))).lower(q).as_text()
+    assert "tensor<1x1x1x0xf32>" in text.split("jax_flash_attention_backward")[1].split("\n")[0]
+    text = jax.jit(jax.grad(lambda b: jnp.sum(jax_flash.attention(q, k, v, bias=b)))).lower(bias).as_text()
+    assert "tensor<1x4x37x70xf32>" in text.split("jax_flash_attention_backward")[1].split("\n")[0]
+
+
+def test_vmap_with_shared_bias():
+    q, k, v = CASE.inputs()
+    qs = jnp.stack([q, 2 * q, -q])
+    bias = _bias((4, 37, 70))
+    f = lambda q_, b: jax_flash.attention(q_, k, v, bias=b)
+    batched = jax.vmap(f, in_axes=(0, None))(qs, bias)
+    looped = jnp.stack([f(x, bias) for x in qs])
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(looped), atol=1e-6)
+    dbias = jax.grad(lambda b: jnp.sum(jax.vmap(f, in_axes=(0, None))(qs, b) ** 2))(bias)
+    dbias_loop = jax.grad(lambda b: sum(jnp.sum(f(x, b) ** 2) for x in qs))(bias)
+    np.testing.assert_allclose(np.asarray(dbias), np.asarray(dbias_loop), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rate", (0.1, 0.5))
+def test_dropout_mask_is_bit_identical_to_the_generator(rate):
+    """With one-hot value rows, o = dropout(P) row by row: its zeros are exactly the dropped elements."""
+    batch, seqlen_q, heads, seqlen_k = 2, 9, 3, 32
+    q = jax.random.normal(jax.random.key(0), (batch, seqlen_q, heads, seqlen_k))
+    k = jax.random.normal(jax.random.key(1), (batch, seqlen_k, heads, seqlen_k))
+    v = jnp.broadcast_to(jnp.eye(seqlen_k)[None, :, None, :], (batch, seqlen_k, heads, seqlen_k))
+    key = jax.random.key(42)
+    o = jax_flash.attention(q, k, v, dropout_rate=rate, dropout_rng=key)
+    kept = np.asarray(o != 0).transpose(0, 2, 1, 3)  # [B, H, Sq, Sk]
+    seeds = _dropout.seeds_from_key(key, batch)
+    expected = np.asarray(_dropout.keep_mask(seeds, rate, heads, seqlen_q, seqlen_k))
+    np.testing.assert_array_equal(kept, expected)
+
+
+@pytest.mark.parametrize("rate", (0.1, 0.3, 0.7))
+def test_dropout_keep_rate(rate):
+    seeds = _dropout.seeds_from_key(jax.random.key(5), 4)
+    keep = np.asarray(_dropout.keep_mask(seeds, rate, 8, 64, 128))
+    standard_error = np.sqrt(rate * (1 - rate) / keep.size)
+    assert abs(keep.mean() - (1 - rate)) < 5 * standard_error
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_dropout_values_and_gradients(dtype):
+    case = Case(**{**CASE.__dict__, "dtype": dtype})
+    q, k, v = case.inputs()
+    kwargs = dict(dropout_rate=0.25, dropout_rng=jax.random.key(3), causal=True, bias=_bias((4, 1, 70)))
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    o_xla, lse_xla = jax_flash.attention(q, k, v, return_lse=True, implementation="xla", **kwargs)
+    o_ref, lse_ref = oracle(q, k, v, **kwargs)
+    assert_within_bound("o", o, o_xla, o_ref, dtype)
+    assert_within_bound("lse", lse, lse_xla, lse_ref, jnp.float32)
+    d_o = jax.random.normal(jax.random.key(8), q.shape).astype(dtype)
+    for name, g, g_xla, g_ref in zip(("dq", "dk", "dv"), grads(q, k, v, d_o, **kwargs),
+                                     grads(q, k, v, d_o, implementation="xla", **kwargs),
+                                     oracle_grads(q, k, v, d_o, **kwargs)):
+        assert_within_bound(name, g, g_xla, g_ref, dtype, scale=4.0)
+
+
+def test_different_keys_drop_differently():
+    q, k, v = CASE.inputs()
+    a = jax_flash.attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+    b = jax_flash.attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(2))
+    assert not np.allclose(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (dict(bias=jnp.zeros((3, 37, 70))), ValueError, "bias must be broadcastable"),
+    (dict(bias=jnp.zeros((1, 1, 1, 1, 70))), ValueError, "bias"),
+    (dict(bias=jnp.zeros((70,), jnp.int32)), TypeError, "bias must have a floating dtype"),
+    (dict(mask=jnp.ones((37, 70), jnp.float32)), TypeError, "mask must be boolean"),
+    (dict(mask=jnp.ones((37, 71), bool)), ValueError, "mask must be broadcastable"),
+], ids=("bias_heads", "bias_rank", "bias_dtype", "mask_dtype", "mask_shape"))
+def test_bad_dense_arguments(overrides, error, message):
+    q, k, v = CASE.inputs()
+    with pytest.raises(error, match=message):
+        jax.eval_shape(lambda: jax_flash.attention(q, k, v, **overrides))
