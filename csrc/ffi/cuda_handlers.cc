@@ -30,7 +30,7 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, float softcap, bool causal,
                         bool align_to_sequence_end, int64_t diagonal_offset, int64_t window_left,
-                        int64_t window_right) {
+                        int64_t window_right, float dropout_rate) {
   AttentionParams params;
   ffi::Error error = decode_forward(
       q, k, v, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, dropout_seeds}, *o, *lse,
