@@ -1,10 +1,10 @@
-// Backward, main pass: one CTA owns kBlockN keys of one KV head and keeps their dK and dV in registers while it
-// streams every query tile that can see them, for every query head of the GQA group (so dK/dV are summed over
-// the group without per-query-head copies). Per query tile:
+// Backward, dK/dV pass: one CTA owns kBlockN keys of one KV head and keeps their dK and dV in registers while
+// it streams every query tile that can see them, for every query head of the GQA group (so dK/dV are summed
+// over the group without per-query-head copies, in a fixed order). Per query tile:
 //   S = Q K^T, dP = dO V^T          (scores recomputed; warp grid 2x4)
 //   P = exp(S - lse), dS = P (dP - D)
 //   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
-//   dQ_accum += dS K                (float32 atomics; skipped in deterministic mode, see backward_dq_kernel.h)
+// dQ comes from its own pass (backward_dq_kernel.h).
 #pragma once
 
 #include <cmath>
@@ -22,38 +22,9 @@
 
 namespace jax_flash::cuda::sm80 {
 
-// dq_accum[row, col] += acc(i) at (row, col) = coords(i), for rows < rows and cols < cols (dS is 0 past
-// valid_q, so those rows are skipped). Addresses are one pointer per accumulator row plus compile-time column
-// offsets, and full tiles skip the predicates.
-template <class Acc, class Coords>
-__device__ void add_to_dq_accum(Acc const& acc, Coords const& coords, float* tile, int64_t row_stride, int rows,
-                                int cols) {
-  using namespace cute;
-  auto values = as_rows_cols(acc);
-  auto value_coords = as_rows_cols(coords);
-  const int first_row = get<0>(value_coords(0, 0));
-  const int first_col = get<1>(value_coords(0, 0));
-  float* base = tile + first_row * row_stride + first_col;
-  constexpr int kRows = decltype(size<0>(values))::value;
-  constexpr int kCols = decltype(size<1>(values))::value;
-  const bool full = get<0>(value_coords(kRows - 1, 0)) < rows && get<1>(value_coords(0, kCols - 1)) < cols;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const int row_offset = get<0>(value_coords(r, 0)) - first_row;
-    float* row_ptr = base + row_offset * row_stride;
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      const int col_offset = get<1>(value_coords(r, c)) - first_col;
-      if (full || (first_row + row_offset < rows && first_col + col_offset < cols)) {
-        atomicAdd(row_ptr + col_offset, values(r, c));
-      }
-    }
-  }
-}
-
 template <class Traits, bool kTransforms>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    dkdv_kernel(const AttentionBackwardParams p, bool vectorized, bool accumulate_dq) {
+    dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -119,22 +90,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
-  typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  auto thr_dq = mma_dq.get_thread_slice(tid);
   auto copy_sdp_a = make_tiled_copy_A(Copy_Atom<LdsmCopy, T>{}, mma_sdp);
   auto copy_sdp_b = make_tiled_copy_B(Copy_Atom<LdsmCopy, T>{}, mma_sdp);
   auto copy_dkv_a = make_tiled_copy_A(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dkv);
   auto copy_dkv_b = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dkv);
-  auto copy_dq_a = make_tiled_copy_A(Copy_Atom<LdsmCopy, T>{}, mma_dq);
-  auto copy_dq_b = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma_dq);
 
   using LayoutQ = typename Traits::SmemLayoutQ;
   using LayoutQt = typename Traits::SmemLayoutQt;
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
   Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutP{});
   Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Traits::SmemLayoutP{});
   Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutPt{});
@@ -152,14 +118,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor frag_dst = thr_dkv.partition_fragment_A(sdSt);
   Tensor frag_dot = thr_dkv.partition_fragment_B(sdOt(0));
   Tensor frag_qt = thr_dkv.partition_fragment_B(sQt(0));
-  Tensor frag_ds = thr_dq.partition_fragment_A(sdS);
-  Tensor frag_kt = thr_dq.partition_fragment_B(sKt);
   Tensor smem_k_part = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
   Tensor smem_v_part = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
   Tensor smem_pt_part = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
   Tensor smem_dst_part = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
-  Tensor smem_ds_part = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
-  Tensor smem_kt_part = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -168,7 +130,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   clear(acc_dk);
   clear(acc_dv);
   Tensor score_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor dq_coords = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kRowsPerThread = decltype(size<0>(rows_cols(score_coords.layout())))::value;
   const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
 
@@ -204,13 +165,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
                    copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
 
-    if (accumulate_dq) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      clear(acc_dq);
-      gemm_smem_smem(mma_dq, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_dq_a, copy_dq_b);
-      add_to_dq_accum(acc_dq, dq_coords, p.dq_accum + q_shape.offset(cta.batch, m0, head), q_shape.row_stride(),
-                      static_cast<int>(min(int64_t(kBlockM), valid_q - m0)), static_cast<int>(p.head_dim));
-    }
   };
 
   for (int item = 0; item < items; ++item) {

@@ -1,10 +1,11 @@
 // Host launcher of the backward for one (head dim, element type); instantiated once per generated .cu.
-//   1. softmax_d pre-pass (also zeroes dq_accum when the atomic dQ path is used)
-//   2. dK/dV pass, which also accumulates dQ with float32 atomics unless deterministic
-//   3. deterministic: the dQ pass (no atomics, writes dq); otherwise: dq = dq_accum * scale
+//   1. softmax_d pre-pass
+//   2. dK/dV pass (one CTA per key tile and KV head)
+//   3. dQ pass (one CTA per query tile and head)
+// No atomics anywhere, so every run is bit-identical (p.deterministic needs nothing extra) and the dq_accum
+// workspace is not used.
 #pragma once
 
-#include <algorithm>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -32,12 +33,12 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaS
     return err;
   }
   if (grid == 0) return {};
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, vectorized, !p.deterministic);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, vectorized);
   return last_launch_error("sm80 dK/dV kernel launch");
 }
 
 template <int kHeadDim, class Element>
-std::string launch_deterministic_dq(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
+std::string launch_dq(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
   using Traits = DqTraits<kHeadDim, Element>;
   constexpr int kSmemBytes = (2 * Traits::kQElems + 2 * Traits::kStages * Traits::kKVElems) * int(sizeof(Element));
   auto kernel = transforms_scores(p) ? dq_kernel<Traits, true> : dq_kernel<Traits, false>;
@@ -48,7 +49,7 @@ std::string launch_deterministic_dq(const AttentionBackwardParams& p, bool vecto
   }
   if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized);
-  return last_launch_error("sm80 deterministic dQ kernel launch");
+  return last_launch_error("sm80 dQ kernel launch");
 }
 
 template <int kHeadDim, class Element>
@@ -58,19 +59,11 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);
   if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
   if (row_blocks > 0) {
-    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(
-        p, !p.deterministic);
+    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
-
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
-
-  if (p.deterministic) return launch_deterministic_dq<kHeadDim, Element>(p, vectorized, stream);
-  const int64_t elements = rows * p.head_dim;
-  if (elements == 0) return {};
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(elements, 256), 65536));
-  convert_dq_kernel<Element><<<blocks, 256, 0, stream>>>(p);
-  return last_launch_error("sm80 dq convert kernel launch");
+  return launch_dq<kHeadDim, Element>(p, vectorized, stream);
 }
 
 }  // namespace jax_flash::cuda::sm80

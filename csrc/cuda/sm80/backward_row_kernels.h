@@ -1,5 +1,4 @@
-// The two memory-bound companions of the backward: the pre-pass that forms softmax_d = rowsum(dO * O) - dlse
-// (and zeroes the dQ accumulator), and the pass that turns the float32 dQ accumulator into dQ.
+// The memory-bound pre-pass of the backward: softmax_d = rowsum(dO * O) - dlse.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +13,7 @@ constexpr int kRowKernelWarps = 8;
 // One warp per (batch, query row, head): rows are contiguous head_dim vectors in BSHD, so lanes stride through
 // them coalesced.
 template <class T>
-__global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p,
-                                                                         bool zero_dq_accum) {
+__global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p) {
   const int64_t row = int64_t(blockIdx.x) * kRowKernelWarps + threadIdx.x / 32;  // ((b * Sq) + i) * Hq + h
   const int lane = threadIdx.x % 32;
   if (row >= p.batch * p.seqlen_q * p.heads_q) return;
@@ -30,20 +28,6 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const A
   if (lane == 0) {
     const int64_t stat = row_stat_offset(p, batch, head, position);
     p.softmax_d[stat] = dot - (p.d_lse != nullptr ? p.d_lse[stat] : 0.0f);
-  }
-  if (zero_dq_accum) {
-    float* accum = p.dq_accum + row * p.head_dim;
-    for (int64_t c = lane; c < p.head_dim; c += 32) accum[c] = 0.0f;
-  }
-}
-
-// dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T), elementwise over the whole BSHD tensor.
-template <class T>
-__global__ void convert_dq_kernel(const AttentionBackwardParams p) {
-  const int64_t total = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
-  T* dq = static_cast<T*>(p.dq);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    dq[i] = T(p.dq_accum[i] * p.softmax_scale);
   }
 }
 

@@ -34,8 +34,8 @@ struct BackwardTile {
   int stages;    // Q/dO shared-memory buffers
 };
 
-// dK/dV pass. Warp grids (fixed, see BackwardTraits): S/dP 2x4, dK/dV 4x2, dQ 4x2, so block_m is a multiple of
-// 64 and block_n of 64. smem = (stages * 2 * block_m + 2 * block_n) * head_dim * 2 + 2 * block_m * block_n * 2.
+// dK/dV pass. Warp grids (fixed, see BackwardTraits): S/dP 2x4, dK/dV 4x2, so block_m and block_n are multiples
+// of 64. smem = (stages * 2 * block_m + 2 * block_n) * head_dim * 2 + 2 * block_m * block_n * 2.
 constexpr BackwardTile backward_tile(int head_dim) {
   switch (head_dim) {
     case 32: return {64, 128, 8, 2};    //  64 KiB
@@ -47,7 +47,7 @@ constexpr BackwardTile backward_tile(int head_dim) {
   }
 }
 
-// Deterministic dQ pass: rows of Q and dO stay resident, K/V stream. smem = (2 * block_m + stages * 2 * block_n)
+// dQ pass: rows of Q and dO stay resident, K/V stream. smem = (2 * block_m + stages * 2 * block_n)
 // * head_dim * 2 bytes.
 constexpr ForwardTile dq_tile(int head_dim) {
   return head_dim <= 128 ? ForwardTile{64, 64, 4, 2}    // d=128: 96 KiB
@@ -132,12 +132,10 @@ struct BackwardTraits {
 
   using TiledMmaSdP = TiledMmaFor<Element, 2, 4>;  // [block_m, block_n] scores and dP
   using TiledMmadKV = TiledMmaFor<Element, 4, 2>;  // [block_n, head_dim] dK and dV
-  using TiledMmadQ = TiledMmaFor<Element, 4, 2>;   // [block_m, head_dim] dQ contribution
 
   using SmemLayoutQ = decltype(swizzled_smem_layout<kBlockM, kHeadDim>());  // also dO
   using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));
   using SmemLayoutKV = decltype(swizzled_smem_layout<kBlockN, kHeadDim>());
-  using SmemLayoutKt = decltype(transposed_view(SmemLayoutKV{}));
   using SmemLayoutP = decltype(swizzled_smem_layout<kBlockM, kBlockN>());  // also dS
   using SmemLayoutPt = decltype(transposed_view(SmemLayoutP{}));
 
