@@ -47,6 +47,9 @@ std::string check_supported(const AttentionParams& p) {
   if (p.seqlen_q >= (int64_t(1) << 31) || p.seqlen_k >= (int64_t(1) << 31)) {
     return "sequence lengths must be below 2^31";
   }
+  if (p.bias != nullptr) return "an additive bias is not supported by the CUDA kernels yet";
+  if (p.mask != nullptr) return "a boolean mask is not supported by the CUDA kernels yet";
+  if (p.dropout_rate > 0.0f) return "dropout is not supported by the CUDA kernels yet";
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) {
     return "q_segment_ids and kv_segment_ids must be given together";
   }

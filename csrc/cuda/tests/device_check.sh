@@ -50,7 +50,8 @@ for stage in "$@"; do
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 build/standalone_check --small
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 build/standalone_check --small ;;
     bench) run bench build/standalone_check --bench ;;
-    pytest) run pytest python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py ;;
+    pytest) XLA_PYTHON_CLIENT_PREALLOCATE=false run pytest timeout ${PYTEST_TIMEOUT:-300} \
+      python3 -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests/test_cuda.py} ;;
     attention) run attention python3 benchmarks/bench_attention.py --out-dir "$out" ${BENCH_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
