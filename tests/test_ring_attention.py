@@ -13,11 +13,9 @@ import jax_flash
 from attention_cases import Case, feature_kwargs
 from jax_flash._block_plan import PositionMask, ring_schedule
 from jax_flash.sequence_layout import SequenceLayout
-from sharding_cases import TOLERANCE, cotangents, mesh, probe, split_kwargs
+from sharding_cases import DTYPE, TOLERANCE, cotangents, mesh, needs_devices, probe, split_kwargs
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py fakes them)")
-
-CASE = Case(batch=2, seqlen_q=32, seqlen_k=32, heads_q=4, heads_kv=2, head_dim=8)
+CASE = Case(batch=2, seqlen_q=32, seqlen_k=32, heads_q=4, heads_kv=2, head_dim=8, dtype=DTYPE)
 RING_FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi", "alibi_batched_causal",
                  "seqlens", "segments")
 
@@ -118,23 +116,27 @@ def _compare(case: Case, kwargs, fn, tolerance=TOLERANCE):
                                    **tolerance)
 
 
+@needs_devices
 @pytest.mark.parametrize("feature", RING_FEATURES)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_attention_equals_attention(layout, feature):
-    """Mesh (data 2, seq 4): batch split over data, the ring over seq."""
+    """Batch split over data, the ring over seq."""
     _compare(CASE, feature_kwargs(feature, CASE), _ring(mesh(("data", "seq")), ("seq",), "data", layout))
 
 
+@needs_devices
 def test_ring_over_two_mesh_axes():
-    """The sequence sharded over both axes of a (2, 4) mesh: one ring of 8."""
+    """The sequence sharded over both axes of the mesh: one ring over all devices."""
     _compare(CASE, {"causal": True, "window_size": (9, -1)}, _ring(mesh(("a", "b")), ("a", "b"), None, "zigzag"))
 
 
+@needs_devices
 def test_cross_attention_ring():
-    case = Case(batch=2, seqlen_q=16, seqlen_k=32, heads_q=4, heads_kv=1, head_dim=8)
+    case = Case(batch=2, seqlen_q=16, seqlen_k=32, heads_q=4, heads_kv=1, head_dim=8, dtype=DTYPE)
     _compare(case, {"causal": True}, _ring(mesh(("data", "seq")), ("seq",), "data", "zigzag"))
 
 
+@needs_devices
 def test_rows_seeing_no_key_anywhere():
     """Queries whose segment appears in no key: o = 0, lse = -inf, finite gradients, as unsharded."""
     q_segments = jnp.asarray(np.repeat([[0, 1, 7, 1]], 8, axis=1).reshape(1, 32).repeat(2, 0), jnp.int32)
@@ -143,12 +145,14 @@ def test_rows_seeing_no_key_anywhere():
     _compare(CASE, kwargs, _ring(mesh(("data", "seq")), ("seq",), "data", "zigzag"))
 
 
+@needs_devices
 def test_bfloat16():
     case = Case(batch=2, seqlen_q=32, seqlen_k=32, heads_q=4, heads_kv=2, head_dim=8, dtype=jnp.bfloat16)
     _compare(case, {"causal": True}, _ring(mesh(("data", "seq")), ("seq",), "data", "zigzag"),
              tolerance=dict(rtol=2e-2, atol=2e-2))
 
 
+@needs_devices
 def test_lengths_with_causal_raise():
     q, k, v = CASE.inputs()
     lengths = jnp.full((2,), 20, jnp.int32)

@@ -14,16 +14,18 @@ from jax.sharding import PartitionSpec as P
 import jax_flash
 from jax_flash import _relayout
 from attention_cases import FEATURES, Case, feature_kwargs
-from sharding_cases import TOLERANCE, compare_sharded, mesh
+from sharding_cases import DTYPE, NUM_DEVICES, TOLERANCE, compare_sharded, mesh, needs_devices
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py fakes them)")
+pytestmark = needs_devices
 
-# Mesh shape (2, 4): batch 2 and 4 key/value heads divide evenly; seqlen 16 splits into 4 contiguous shards.
-CASE = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=4, head_dim=8)
+# On 2 x 4 meshes batch 2 and 4 key/value heads divide evenly and seqlen 16 makes 4 shards of 2 zigzag chunks.
+CASE = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=4, head_dim=8, dtype=DTYPE)
+# Name -> (axis names, q/k/v spec, mesh shape). With only 2 devices each mesh shards one role: the batch, the
+# sequence (a ring), the heads.
 MESHES = {
-    "data_heads": (("data", "heads"), P("data", None, "heads")),
-    "data_seq": (("data", "seq"), P("data", "seq")),
-    "heads_seq": (("heads", "seq"), P(None, "seq", "heads")),
+    "data_heads": (("data", "heads"), P("data", None, "heads"), None if NUM_DEVICES == 8 else (2, 1)),
+    "data_seq": (("data", "seq"), P("data", "seq"), None),
+    "heads_seq": (("heads", "seq"), P(None, "seq", "heads"), None if NUM_DEVICES == 8 else (2, 1)),
 }
 COLLECTIVES_MOVING_DATA = ("all-gather", "all-to-all", "collective-permute")
 
@@ -40,8 +42,8 @@ def gspmd():
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_sharded_equals_unsharded(mesh_name, feature):
-    names, spec = MESHES[mesh_name]
-    compare_sharded(*CASE.inputs(), feature_kwargs(feature, CASE), mesh(names), spec)
+    names, spec, shape = MESHES[mesh_name]
+    compare_sharded(*CASE.inputs(), feature_kwargs(feature, CASE), mesh(names, shape), spec)
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
@@ -50,8 +52,8 @@ def test_batch_and_head_sharding_moves_no_data(partitioner, request):
     or permute (only the loss's all-reduce)."""
     if partitioner == "gspmd":
         request.getfixturevalue("gspmd")
-    names, spec = MESHES["data_heads"]
-    hlo = compare_sharded(*CASE.inputs(), {"causal": True}, mesh(names), spec, return_hlo=True)
+    names, spec, shape = MESHES["data_heads"]
+    hlo = compare_sharded(*CASE.inputs(), {"causal": True}, mesh(names, shape), spec, return_hlo=True)
     for collective in COLLECTIVES_MOVING_DATA:
         assert collective not in hlo, collective
 
@@ -59,14 +61,14 @@ def test_batch_and_head_sharding_moves_no_data(partitioner, request):
 @pytest.mark.parametrize("feature", ["causal", "everything"])
 @pytest.mark.parametrize("mesh_name", ["data_seq", "heads_seq"])
 def test_gspmd_partitioner(mesh_name, feature, gspmd):
-    names, spec = MESHES[mesh_name]
-    compare_sharded(*CASE.inputs(), feature_kwargs(feature, CASE), mesh(names), spec)
+    names, spec, shape = MESHES[mesh_name]
+    compare_sharded(*CASE.inputs(), feature_kwargs(feature, CASE), mesh(names, shape), spec)
 
 
 def test_sequence_sharding_is_a_ring():
     """Keys/values sharded on the sequence: blocks travel by collective-permute, nothing is gathered."""
-    names, spec = MESHES["data_seq"]
-    hlo = compare_sharded(*CASE.inputs(), {"causal": True, "window_size": (5, -1)}, mesh(names), spec,
+    names, spec, shape = MESHES["data_seq"]
+    hlo = compare_sharded(*CASE.inputs(), {"causal": True, "window_size": (5, -1)}, mesh(names, shape), spec,
                           return_hlo=True)
     assert "collective-permute" in hlo
     assert "all-gather" not in hlo and "all-to-all" not in hlo
@@ -77,7 +79,7 @@ def test_sequence_sharding_is_a_ring():
                          ids=["causal", "window", "alibi_causal"])
 def test_query_sequence_sharded_with_replicated_keys(kwargs):
     """Cross-attention with a bottom-right diagonal: each query shard runs locally at its global offset."""
-    case = Case(batch=2, seqlen_q=16, seqlen_k=24, heads_q=8, heads_kv=4, head_dim=8)
+    case = Case(batch=2, seqlen_q=16, seqlen_k=24, heads_q=8, heads_kv=4, head_dim=8, dtype=DTYPE)
     hlo = compare_sharded(*case.inputs(), kwargs, mesh(("data", "seq")), P("data", "seq"), P("data"),
                           return_hlo=True)
     for collective in COLLECTIVES_MOVING_DATA:
@@ -85,7 +87,7 @@ def test_query_sequence_sharded_with_replicated_keys(kwargs):
 
 
 def test_ring_cross_attention():
-    case = Case(batch=2, seqlen_q=16, seqlen_k=32, heads_q=8, heads_kv=4, head_dim=8)
+    case = Case(batch=2, seqlen_q=16, seqlen_k=32, heads_q=8, heads_kv=4, head_dim=8, dtype=DTYPE)
     compare_sharded(*case.inputs(), {"causal": True}, mesh(("data", "seq")), P("data", "seq"))
 
 
@@ -116,15 +118,15 @@ def test_multi_query_attention_shards_query_heads(partitioner, request):
     """One key/value head, query heads over 4 devices: keys/values stay replicated, nothing is gathered."""
     if partitioner == "gspmd":
         request.getfixturevalue("gspmd")
-    case = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=1, head_dim=8)
+    case = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=1, head_dim=8, dtype=DTYPE)
     hlo = compare_sharded(*case.inputs(), {"causal": True}, mesh(("data", "heads")), P("data", None, "heads"),
                           P("data"), return_hlo=True)
     assert "all-gather" not in hlo and "all-to-all" not in hlo
 
 
 def test_heads_not_divisible_are_gathered():
-    """Two key/value heads cannot be split over 4 devices: heads are gathered, results stay exact."""
-    case = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=2, head_dim=8)
+    """Three key/value heads cannot be split over 2 or 4 devices: heads are gathered, results stay exact."""
+    case = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=12, heads_kv=3, head_dim=8, dtype=DTYPE)
     compare_sharded(*case.inputs(), {"causal": True}, mesh(("data", "heads")), P("data", None, "heads"),
                     P("data"))
 
@@ -153,10 +155,10 @@ def test_vmap_over_sharded_inputs():
 
 def test_causal_ring_moves_shards_into_zigzag():
     """The per-device exchange gives each device exactly its zigzag chunks, and undoes it."""
-    m = mesh(("seq",), (8,))
+    m = mesh(("seq",), (NUM_DEVICES,))
     x = jnp.arange(2 * 64).reshape(2, 64)
-    exchange = lambda fn: jax.shard_map(functools.partial(fn, axis_name="seq", num_shards=8), mesh=m,
+    exchange = lambda fn: jax.shard_map(functools.partial(fn, axis_name="seq", num_shards=NUM_DEVICES), mesh=m,
                                         in_specs=P(None, "seq"), out_specs=P(None, "seq"))
     zigzag = exchange(_relayout.to_zigzag)(x)
-    np.testing.assert_array_equal(zigzag, jax_flash.to_zigzag(x, 8))
+    np.testing.assert_array_equal(zigzag, jax_flash.to_zigzag(x, NUM_DEVICES))
     np.testing.assert_array_equal(exchange(_relayout.from_zigzag)(zigzag), x)
