@@ -18,7 +18,7 @@ downloaded. On a machine without accelerators, fake devices on the CPU::
 On GPUs (all visible ones; ``--seq-shards`` of them along the sequence)::
 
     python examples/sharded_training.py --seq-shards 2 --seq-len 16384 --batch-size 2 --d-model 1024 \\
-        --num-heads 16 --num-kv-heads 8 --dtype bfloat16
+        --num-heads 8 --num-kv-heads 4
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="fake this many CPU devices (runs on the CPU; for machines without accelerators)")
     parser.add_argument("--seq-shards", type=int, default=0,
-                        help="devices along the sequence (mesh axis 'seq'); default: half of them, at least 1")
+                        help="devices along the sequence (mesh axis 'seq'); default: all of 2 or fewer, else half")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -184,7 +184,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype; default bfloat16 on GPU (the CUDA kernels' types), float32 elsewhere")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.steps < 2:
@@ -194,7 +195,7 @@ def parse_args() -> argparse.Namespace:
 
 def make_mesh(args: argparse.Namespace) -> Mesh:
     devices = jax.devices()
-    seq_shards = args.seq_shards or max(1, len(devices) // 2)
+    seq_shards = args.seq_shards or (len(devices) if len(devices) <= 2 else len(devices) // 2)
     if len(devices) % seq_shards or args.batch_size % (len(devices) // seq_shards):
         raise SystemExit(f"{len(devices)} devices: --seq-shards {seq_shards} must divide them, and the rest "
                          f"(data parallel) must divide --batch-size {args.batch_size}")
@@ -211,6 +212,7 @@ def main() -> None:
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
     mesh = make_mesh(args)
+    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     config = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
                          num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                          dtype=jnp.dtype(args.dtype))
