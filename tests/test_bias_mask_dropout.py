@@ -143,3 +143,19 @@ def test_bad_dense_arguments(overrides, error, message):
     q, k, v = CASE.inputs()
     with pytest.raises(error, match=message):
         jax.eval_shape(lambda: jax_flash.attention(q, k, v, **overrides))
+
+
+def test_block_sparse_mask_skips_hidden_tiles_correctly():
+    """A mask hiding whole key tiles (which the kernels skip) for some rows and not others."""
+    case = Case(batch=1, seqlen_q=300, seqlen_k=700, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = case.inputs()
+    j = jnp.arange(700)[None, :]
+    i = jnp.arange(300)[:, None]
+    mask = ((j < 128) | (j >= 384) | (i >= 200))[None, None]
+    o, lse = jax_flash.attention(q, k, v, mask=mask, return_lse=True)
+    o_ref, lse_ref = oracle(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=2e-5)
+    d_o = jnp.ones_like(q)
+    for g, r in zip(grads(q, k, v, d_o, mask=mask), oracle_grads(q, k, v, d_o, mask=mask)):
+        np.testing.assert_allclose(np.asarray(g), r, atol=1e-4)

@@ -202,8 +202,10 @@ void attention_backward(const AttentionBackwardParams& p) {
       for (int64_t h = kv_head * geometry.group_size; h < (kv_head + 1) * geometry.group_size; ++h) {
         const SliceMask mask = make_slice_mask(p, b, h);
         for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += kQueryTile) {
-          const auto [lo, hi] = visible_key_range(mask, i0, std::min(kQueryTile, p.seqlen_q - i0));
+          const int64_t rows = std::min(kQueryTile, p.seqlen_q - i0);
+          const auto [lo, hi] = visible_key_range(mask, i0, rows);
           if (hi <= j0 || lo >= j0 + kKeyTile) continue;
+          if (mask_hides_tile(mask, i0, rows, j0, std::min(kKeyTile, p.seqlen_k - j0))) continue;
           accumulate_query_tile(p, geometry, mask, b, h, i0, j0, work, dq_partial(chunk, b),
                                 dbias_target(b, h, kv_head, chunk));
         }

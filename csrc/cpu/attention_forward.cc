@@ -38,6 +38,7 @@ void attention_forward(const AttentionParams& p) {
               p.head_dim, q_tile.data(), dp);
     for (int64_t j0 = key_lo; j0 < key_hi; j0 += kKeyTile) {
       const int64_t cols = std::min(kKeyTile, key_hi - j0);
+      if (mask_hides_tile(mask, i0, rows, j0, cols)) continue;
       const int64_t kv_head = h / geometry.group_size;
       load_rows(geometry.k_slice(b, kv_head), p.element_type, geometry.kv_row_stride, j0, kKeyTile, p.seqlen_k,
                 p.head_dim, k_tile.data(), dp);

@@ -55,6 +55,16 @@ inline std::pair<int64_t, int64_t> visible_key_range(const SliceMask& mask, int6
   return lo < hi ? std::make_pair(lo, hi) : std::make_pair<int64_t, int64_t>(0, 0);
 }
 
+// True when a boolean mask hides every element of the tile rows [i0, i0 + rows) x keys [j0, j0 + cols): the tile
+// can be skipped. Scanning the mask costs a fraction of the tile's GEMMs (it reads no head_dim axis).
+inline bool mask_hides_tile(const SliceMask& mask, int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+  if (mask.mask == nullptr) return false;
+  for (int64_t i = i0; i < i0 + rows; ++i)
+    for (int64_t j = j0; j < j0 + cols; ++j)
+      if (mask.mask_allows(i, j)) return false;
+  return true;
+}
+
 // Dropout settings of query row i of slice (b, h).
 inline DropoutRow dropout_for_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
   return {p.dropout_rate, dropout_threshold(p.dropout_rate), p.dropout_seeds + 2 * b,
