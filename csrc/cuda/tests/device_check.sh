@@ -9,6 +9,7 @@ out=${OUT:-/tmp/device_check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
+repo=$(pwd)
 run() {  # run NAME COMMAND...: log to $out/NAME.log, remember failures, keep going
   local name=$1
   shift
@@ -50,8 +51,10 @@ for stage in "$@"; do
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 build/standalone_check --small
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 build/standalone_check --small ;;
     bench) run bench build/standalone_check --bench ;;
-    pytest) XLA_PYTHON_CLIENT_PREALLOCATE=false run pytest timeout ${PYTEST_TIMEOUT:-300} \
-      python3 -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests/test_cuda.py} ;;
+    # From outside the checkout, so that `import jax_flash` finds the installed package, not the source tree.
+    pytest) (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false run pytest timeout ${PYTEST_TIMEOUT:-300} \
+      pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} --rootdir "$repo" "$repo/${PYTEST_ARGS:-tests/test_cuda.py}")
+      [ -s "$out/pytest.log" ] && grep -q " passed" "$out/pytest.log" || status=1 ;;
     attention) run attention python3 benchmarks/bench_attention.py --out-dir "$out" ${BENCH_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
