@@ -7,6 +7,11 @@ moves on to the next device with ``ppermute``; partial results merge exactly thr
 Backward: the kernels' own backward, fed the *global* ``o`` and ``lse``, gives each block's exact share of the
 gradients (``P = exp(s - lse)`` is then the global probability); dQ accumulates locally while dK/dV accumulators
 travel with their block and one final hop brings them home. Accumulators are float32.
+
+A bias or boolean mask keeps its whole key axis on every device (its query axis is sharded like the queries, so
+the key axis cannot also follow the travelling key/value shard over the same mesh axes): each step cuts out the
+columns of the block at hand, and dbias accumulates locally in the same columns. Dropout is never sharded over a
+sequence (its bits depend on global positions, see ``jax_flash.sharding``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from jax import lax
 
 from jax_flash import _ffi_calls
 from jax_flash._block_plan import BlockCall, BlockPlan, RingSchedule, position_mask, ring_schedule
-from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash import sequence_layout
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash.sequence_layout import SequenceLayout
 
 AxisName = Hashable | tuple[Hashable, ...]
@@ -93,6 +99,53 @@ def _call_masks(masks: _BlockMasks, call: BlockCall, q_rows: slice, kv_rows: sli
                         rows(masks.kv_segment_ids, kv_rows))
 
 
+def _call_dense(dense: DenseOperands, q_rows: slice, kv_rows: slice) -> DenseOperands:
+    """The call's rows and columns of a block's bias and mask (broadcast axes and absent operands as they are)."""
+    def cut(x: jax.Array) -> jax.Array:
+        return x[_dense_index(x.shape, q_rows, kv_rows)] if x.shape[-1] else x
+
+    return dense._replace(bias=cut(dense.bias), mask=cut(dense.mask))
+
+
+def _dense_index(shape: tuple[int, ...], q_rows: slice, kv_rows: slice) -> tuple[slice, ...]:
+    every = slice(None)
+    return (every, every, q_rows if shape[2] != 1 else every, kv_rows if shape[3] != 1 else every)
+
+
+def _key_width(spec: RingSpec) -> int:
+    return spec.kv_layout.seqlen // spec.kv_layout.num_shards
+
+
+def _has_key_axis(x: jax.Array, spec: RingSpec) -> bool:
+    """Whether a bias/mask (or its gradient) has a whole key axis to cut into key/value shards."""
+    return spec.kv_layout.num_shards > 1 and x.shape[-1] > 1
+
+
+def _keys_in_layout(dense: DenseOperands, spec: RingSpec, inverse: bool = False) -> DenseOperands:
+    """Orders the bias/mask key axis like the key/value shards (zigzag), so shard ``r`` owns columns
+    ``[r * width, (r + 1) * width)``."""
+    if spec.kv_layout.name != "zigzag":
+        return dense
+    move = sequence_layout.from_zigzag if inverse else sequence_layout.to_zigzag
+    order = lambda x: move(x, spec.kv_layout.num_shards, axis=3) if _has_key_axis(x, spec) else x
+    return dense._replace(bias=order(dense.bias), mask=order(dense.mask))
+
+
+def _source_columns(dense: DenseOperands, spec: RingSpec, source: jax.Array | int) -> DenseOperands:
+    """The bias/mask columns of key/value shard ``source``."""
+    width = _key_width(spec)
+    cut = lambda x: lax.dynamic_slice_in_dim(x, source * width, width, axis=3) if _has_key_axis(x, spec) else x
+    return dense._replace(bias=cut(dense.bias), mask=cut(dense.mask))
+
+
+def _add_source_columns(dbias: jax.Array, block: jax.Array, spec: RingSpec, source: jax.Array | int) -> jax.Array:
+    if not _has_key_axis(dbias, spec):
+        return dbias + block
+    width = _key_width(spec)
+    columns = lax.dynamic_slice_in_dim(dbias, source * width, width, axis=3)
+    return lax.dynamic_update_slice_in_dim(dbias, columns + block, source * width, axis=3)
+
+
 def _call_config(config: ScoreConfig, call: BlockCall) -> ScoreConfig:
     return dataclasses.replace(config, causal=call.causal, align_to_sequence_end=False,
                                diagonal_offset=call.diagonal_offset, window_left=call.window_left,
@@ -115,35 +168,42 @@ def _merge(o_acc: jax.Array, lse_acc: jax.Array, o_new: jax.Array,
 
 
 def _block_forward(plan: BlockPlan, spec: RingSpec, q: jax.Array, k: jax.Array, v: jax.Array,
-                   masks: _BlockMasks, o_acc: jax.Array, lse_acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   masks: _BlockMasks, dense: DenseOperands, o_acc: jax.Array,
+                   lse_acc: jax.Array) -> tuple[jax.Array, jax.Array]:
     for call in plan:
         q_rows = _rows(call.q_slots, spec.q_layout.chunk_len)
         kv_rows = _rows(call.kv_slots, spec.kv_layout.chunk_len)
         o_call, lse_call = _ffi_calls.forward(q[:, q_rows], k[:, kv_rows], v[:, kv_rows],
                                               _call_masks(masks, call, q_rows, kv_rows),
-                                              _call_config(spec.config, call))
+                                              _call_config(spec.config, call),
+                                              _call_dense(dense, q_rows, kv_rows))
         o_rows, lse_rows = _merge(o_acc[:, q_rows], lse_acc[:, :, q_rows], o_call, lse_call)
         o_acc = o_acc.at[:, q_rows].set(o_rows)
         lse_acc = lse_acc.at[:, :, q_rows].set(lse_rows)
     return o_acc, lse_acc
 
 
-def _block_backward(plan: BlockPlan, spec: RingSpec, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array,
-                    lse: jax.Array, d_o: jax.Array, d_lse: jax.Array, masks: _BlockMasks,
-                    dq_acc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Adds the block's dQ to ``dq_acc``; returns it with the block's own float32 dK, dV."""
+def _block_backward(plan: BlockPlan, spec: RingSpec, want_dbias: bool, q: jax.Array, k: jax.Array, v: jax.Array,
+                    o: jax.Array, lse: jax.Array, d_o: jax.Array, d_lse: jax.Array, masks: _BlockMasks,
+                    dense: DenseOperands, dq_acc: jax.Array) -> tuple[jax.Array, ...]:
+    """Adds the block's dQ to ``dq_acc``; returns it with the block's own float32 dK, dV (and dbias, shaped like
+    the block's bias, when ``want_dbias``)."""
     dk = jnp.zeros_like(k, jnp.float32)
     dv = jnp.zeros_like(v, jnp.float32)
+    dbias = jnp.zeros_like(dense.bias)
     for call in plan:
         q_rows = _rows(call.q_slots, spec.q_layout.chunk_len)
         kv_rows = _rows(call.kv_slots, spec.kv_layout.chunk_len)
-        dq_call, dk_call, dv_call = _ffi_calls.backward(
+        grads = _ffi_calls.backward(
             q[:, q_rows], k[:, kv_rows], v[:, kv_rows], o[:, q_rows], lse[:, :, q_rows], d_o[:, q_rows],
-            d_lse[:, :, q_rows], _call_masks(masks, call, q_rows, kv_rows), _call_config(spec.config, call))
-        dq_acc = dq_acc.at[:, q_rows].add(dq_call.astype(jnp.float32))
-        dk = dk.at[:, kv_rows].add(dk_call.astype(jnp.float32))
-        dv = dv.at[:, kv_rows].add(dv_call.astype(jnp.float32))
-    return dq_acc, dk, dv
+            d_lse[:, :, q_rows], _call_masks(masks, call, q_rows, kv_rows), _call_config(spec.config, call),
+            _call_dense(dense, q_rows, kv_rows), want_dbias=want_dbias)
+        dq_acc = dq_acc.at[:, q_rows].add(grads[0].astype(jnp.float32))
+        dk = dk.at[:, kv_rows].add(grads[1].astype(jnp.float32))
+        dv = dv.at[:, kv_rows].add(grads[2].astype(jnp.float32))
+        if want_dbias:
+            dbias = dbias.at[_dense_index(dbias.shape, q_rows, kv_rows)].add(grads[3])
+    return (dq_acc, dk, dv, dbias) if want_dbias else (dq_acc, dk, dv)
 
 
 def _run_plan(schedule: RingSchedule, step: jax.Array | int, shard: jax.Array | int,
@@ -161,7 +221,7 @@ def _shard_index(layout: SequenceLayout, axis_name: AxisName) -> jax.Array | int
     return lax.axis_index(axis_name) if layout.num_shards > 1 else 0
 
 
-def _forward_step(spec: RingSpec, q: jax.Array, masks: MaskOperands, shard: jax.Array | int,
+def _forward_step(spec: RingSpec, q: jax.Array, masks: MaskOperands, dense: DenseOperands, shard: jax.Array | int,
                   q_counts: jax.Array, step: jax.Array | int, block: Sequence[jax.Array],
                   acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     k, v, *segments = block
@@ -169,7 +229,8 @@ def _forward_step(spec: RingSpec, q: jax.Array, masks: MaskOperands, shard: jax.
     block_masks = _BlockMasks(masks.alibi_slopes, q_counts, _chunk_counts(masks.kv_seqlens, spec.kv_layout, source),
                               masks.q_segment_ids, segments[0] if segments else masks.kv_segment_ids)
     branch = lambda plan: functools.partial(_block_forward, plan, spec)
-    return _run_plan(spec.schedule, step, shard, branch, q, k, v, block_masks, *acc)
+    return _run_plan(spec.schedule, step, shard, branch, q, k, v, block_masks,
+                     _source_columns(dense, spec, source), *acc)
 
 
 def _ring_permutation(num_shards: int) -> list[tuple[int, int]]:
@@ -177,7 +238,7 @@ def _ring_permutation(num_shards: int) -> list[tuple[int, int]]:
 
 
 def ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, spec: RingSpec,
-                 axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+                 axis_name: AxisName, dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """Local shards in, local shards out: ``(o [B, Sq_local, Hq, D], lse [B, Hq, Sq_local] float32)``.
 
     Args:
@@ -188,10 +249,13 @@ def ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, 
       masks: ALiBi slopes; global ``q_seqlens``/``kv_seqlens``; this device's segment ids.
       spec: static description (``ring_spec``).
       axis_name: the mesh axis (or axes) the sequence is sharded over.
+      dense: bias and mask with this device's query rows (in ``spec.q_layout``) and every key column (in natural
+        order); no dropout.
     """
+    dense = _keys_in_layout(DenseOperands.absent(q.shape[0]) if dense is None else dense, spec)
     shard = _shard_index(spec.q_layout, axis_name)
     q_counts = _chunk_counts(masks.q_seqlens, spec.q_layout, shard)
-    step_fn = functools.partial(_forward_step, spec, q, masks, shard, q_counts)
+    step_fn = functools.partial(_forward_step, spec, q, masks, dense, shard, q_counts)
     # zeros_like/full_like keep q's shard_map typing (varying over its mesh axes), so loop carries type-check.
     acc = (jnp.zeros_like(q, jnp.float32), jnp.swapaxes(jnp.full_like(q[..., 0], -jnp.inf, jnp.float32), 1, 2))
     block = (k, v) + ((masks.kv_segment_ids,) if masks.kv_segment_ids.shape[-1] else ())
@@ -211,49 +275,61 @@ def ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, 
 
 
 def _backward_step(spec: RingSpec, q: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array, d_lse: jax.Array,
-                   masks: MaskOperands, shard: jax.Array | int, q_counts: jax.Array, step: jax.Array | int,
-                   block: Sequence[jax.Array], dq_acc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   masks: MaskOperands, dense: DenseOperands, shard: jax.Array | int, q_counts: jax.Array,
+                   step: jax.Array | int, block: Sequence[jax.Array], dq_acc: jax.Array,
+                   dbias: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Returns ``(dq_acc, dk_block, dv_block, dbias)``, the block's dbias columns added to ``dbias`` (the whole
+    key axis) when given."""
     k, v, *segments = block
     source = (shard - step) % spec.kv_layout.num_shards
     block_masks = _BlockMasks(masks.alibi_slopes, q_counts, _chunk_counts(masks.kv_seqlens, spec.kv_layout, source),
                               masks.q_segment_ids, segments[0] if segments else masks.kv_segment_ids)
-    branch = lambda plan: functools.partial(_block_backward, plan, spec)
-    return _run_plan(spec.schedule, step, shard, branch, q, k, v, o, lse, d_o, d_lse, block_masks, dq_acc)
+    branch = lambda plan: functools.partial(_block_backward, plan, spec, dbias is not None)
+    grads = _run_plan(spec.schedule, step, shard, branch, q, k, v, o, lse, d_o, d_lse, block_masks,
+                      _source_columns(dense, spec, source), dq_acc)
+    if dbias is not None:
+        dbias = _add_source_columns(dbias, grads[3], spec, source)
+    return (*grads[:3], dbias)
 
 
 def ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
-                  d_lse: jax.Array, masks: MaskOperands, spec: RingSpec,
-                  axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradients of ``ring_forward`` given the cotangents of its two outputs; local shards like the inputs.
+                  d_lse: jax.Array, masks: MaskOperands, spec: RingSpec, axis_name: AxisName,
+                  dense: DenseOperands | None = None, want_dbias: bool = False) -> tuple[jax.Array, ...]:
+    """Gradients of ``ring_forward`` given the cotangents of its two outputs; local shards like the inputs, and
+    this device's float32 dbias (like ``dense.bias``) after them when ``want_dbias``.
 
     With keys/values replicated (one kv shard) and queries sharded, every device holds part of dK/dV: they are
-    summed over ``axis_name``.
+    summed over ``axis_name``. dbias is this device's queries' share: the caller sums a query-broadcast one.
     """
+    dense = _keys_in_layout(DenseOperands.absent(q.shape[0]) if dense is None else dense, spec)
     shard = _shard_index(spec.q_layout, axis_name)
     q_counts = _chunk_counts(masks.q_seqlens, spec.q_layout, shard)
-    step_fn = functools.partial(_backward_step, spec, q, o, lse, d_o, d_lse, masks, shard, q_counts)
+    step_fn = functools.partial(_backward_step, spec, q, o, lse, d_o, d_lse, masks, dense, shard, q_counts)
     dq = jnp.zeros_like(q, jnp.float32)
+    dbias = jnp.zeros_like(dense.bias) if want_dbias else None
     block = (k, v) + ((masks.kv_segment_ids,) if masks.kv_segment_ids.shape[-1] else ())
     steps = spec.schedule.steps
     if steps == 1:
-        dq, dk, dv = step_fn(0, block, dq)
+        dq, dk, dv, dbias = step_fn(0, block, dq, dbias)
         if spec.q_layout.num_shards > 1:
             dk, dv = lax.psum((dk, dv), axis_name)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    else:
+        permutation = _ring_permutation(steps)
 
-    permutation = _ring_permutation(steps)
+        def body(step, carry):
+            dq, block, dk, dv, dbias = carry
+            next_block = lax.ppermute(block, axis_name, permutation)
+            dq, dk_block, dv_block, dbias = step_fn(step, block, dq, dbias)
+            # The accumulators belong to the block just used: they follow it to the next device.
+            dk, dv = lax.ppermute((dk + dk_block, dv + dv_block), axis_name, permutation)
+            return dq, next_block, dk, dv, dbias
 
-    def body(step, carry):
-        dq, block, dk, dv = carry
-        next_block = lax.ppermute(block, axis_name, permutation)
-        dq, dk_block, dv_block = step_fn(step, block, dq)
-        # The accumulators belong to the block just used: they follow it to the next device.
+        carry = (dq, block, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32), dbias)
+        dq, block, dk, dv, dbias = lax.fori_loop(0, steps - 1, body, carry)
+        dq, dk_block, dv_block, dbias = step_fn(steps - 1, block, dq, dbias)
+        # After the last step each device holds the next device's block: one more hop brings dK/dV home.
         dk, dv = lax.ppermute((dk + dk_block, dv + dv_block), axis_name, permutation)
-        return dq, next_block, dk, dv
-
-    carry = (dq, block, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    dq, block, dk, dv = lax.fori_loop(0, steps - 1, body, carry)
-    dq, dk_block, dv_block = step_fn(steps - 1, block, dq)
-    # After the last step each device holds the next device's block: one more hop brings dK/dV home.
-    dk, dv = lax.ppermute((dk + dk_block, dv + dv_block), axis_name, permutation)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    if not want_dbias:
+        return grads
+    return (*grads, _keys_in_layout(DenseOperands(dbias, dense.mask, dense.dropout_seeds), spec, inverse=True).bias)

@@ -10,7 +10,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ffi_calls, _validation, sharding
+from jax_flash import _validation, sharding
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash.reference import attention_reference
 
@@ -26,10 +26,7 @@ class _BackwardNeeds:
 
 
 def _forward(q, k, v, masks: MaskOperands, dense: DenseOperands, config: ScoreConfig):
-    # Bias, mask and dropout go straight to the kernels; the sharding rules cover the other operands.
-    if dense.any_present:
-        return _ffi_calls.forward(q, k, v, masks, config, dense)
-    return sharding.forward(q, k, v, masks, config)
+    return sharding.forward(q, k, v, masks, config, dense)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -62,20 +59,17 @@ def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def _flash_backward(config, residuals, cotangents):
     q, k, v, masks, dense, o, lse, needs = residuals
     d_o, d_lse = _materialize(cotangents[0], o), _materialize(cotangents[1], lse)
+    # A bias constant along the keys cancels in the softmax and only shifts lse: its gradient is exactly the
+    # lse cotangent. (The kernels' dS sums to it only up to the rounding of O in rowsum(dO * O).)
+    key_broadcast = needs.dbias and dense.bias.shape[-1] == 1
+    grads = sharding.backward(q, k, v, o, lse, d_o, d_lse, masks, config, dense,
+                              want_dbias=needs.dbias and not key_broadcast)
+    dq, dk, dv = grads[:3]
     dbias = None
-    if dense.any_present:
-        # A bias constant along the keys cancels in the softmax and only shifts lse: its gradient is exactly the
-        # lse cotangent. (The kernels' dS sums to it only up to the rounding of O in rowsum(dO * O).)
-        key_broadcast = needs.dbias and dense.bias.shape[-1] == 1
-        grads = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, config, dense,
-                                    want_dbias=needs.dbias and not key_broadcast)
-        dq, dk, dv = grads[:3]
-        if key_broadcast:
-            dbias = _sum_to_shape(jnp.where(jnp.isfinite(lse), d_lse, 0.0)[..., None], dense.bias.shape)
-        elif needs.dbias:
-            dbias = grads[3]
-    else:
-        dq, dk, dv = sharding.backward(q, k, v, o, lse, d_o, d_lse, masks, config)
+    if key_broadcast:
+        dbias = _sum_to_shape(jnp.where(jnp.isfinite(lse), d_lse, 0.0)[..., None], dense.bias.shape)
+    elif needs.dbias:
+        dbias = grads[3]
     # Mask operands are integers, booleans or (ALiBi slopes) constants: no cotangents.
     no_cotangents = jax.tree_util.tree_map(lambda _: None, masks)
     return dq, dk, dv, no_cotangents, DenseOperands(dbias, None, None)

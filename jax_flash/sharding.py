@@ -19,13 +19,24 @@ partitioner jax uses). What each sharded axis becomes:
   into the zigzag layout (``jax_flash._relayout``: two ``ppermute``s of half a shard each, small next to the
   ring's quadratic work) and the results moved back.
 
+Bias and boolean mask (``[B|1, Hq|1, Sq|1, Sk|1]``): each full batch/head/query axis is sharded like the queries'
+(so every device reads exactly its block), a size-1 (broadcast) axis is replicated, and the key axis is never
+sharded: in a ring every device cuts the travelling key/value block's columns out of its whole key axis. dbias
+comes back sharded like the bias; the shards of a broadcast axis each hold a partial sum over their own rows,
+which are summed (``psum``) over the mesh axes sharding that role.
+
+Dropout draws its bits from the element's position in the *local* call (``(h * Sq + i) * Sk + j`` with the
+shard's own head index and lengths, keyed by its batch row's seed, see ``jax_flash._dropout``). Only batch
+sharding keeps that position global (the seeds are sharded with the batch), so calls with dropout shard the
+batch alone and gather heads and sequences: the same bits as the unsharded call, never different ones.
+
 What cannot run locally is resharded explicitly through the returned operand shardings (the partitioner inserts
 the collectives), never computed wrongly: a sequence axis that does not divide evenly, or sequence sharding when
 ``q_seqlens``/``kv_seqlens`` combine with a bottom-right-aligned causal/window/ALiBi mask (each sequence's
 diagonal then depends on its lengths, see ``_block_plan.position_mask``).
 
 The custom calls have no batching rule, so ``jax.custom_batching.custom_vmap`` folds a vmapped axis into the
-batch axis first.
+batch axis first (``jax_flash._folding``).
 """
 
 from __future__ import annotations
@@ -42,9 +53,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _ffi_calls, _relayout, _ring
+from jax_flash import _ffi_calls, _folding, _relayout, _ring
 from jax_flash._block_plan import position_mask
-from jax_flash._config import MaskOperands, ScoreConfig
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash.sequence_layout import SequenceLayout
 
 Axes = tuple[str, ...]
@@ -52,7 +63,8 @@ Axes = tuple[str, ...]
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """Static part of one call (hashable): the config, which mask operands are present, global sizes."""
+    """Static part of one call (hashable): the config, which mask and dense operands are present (the dense ones
+    with their shapes), global sizes, and whether the backward returns dbias."""
 
     config: ScoreConfig
     present: tuple[str, ...]
@@ -61,6 +73,12 @@ class _Call:
     seqlen_k: int
     heads_q: int
     heads_kv: int
+    dense: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    want_dbias: bool = False
+
+    @property
+    def dropout(self) -> bool:
+        return any(name == "dropout_seeds" for name, _ in self.dense)
 
     @property
     def sequence_shardable(self) -> bool:
@@ -75,11 +93,23 @@ class _Call:
                                                         else jnp.int32))
                               for name in MaskOperands._fields))
 
+    def dense_operands(self, batch: int, present: Sequence[jax.Array]) -> DenseOperands:
+        """Rebuilds the dense operands from the arrays after the mask operands, absent ones as placeholders."""
+        given = dict(zip((name for name, _ in self.dense), present[len(self.present):]))
+        return DenseOperands.absent(batch)._replace(**given)
 
-def _call(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[_Call, tuple[jax.Array, ...]]:
+    def bias_shape(self) -> tuple[int, ...]:
+        return dict(self.dense)["bias"]
+
+
+def _call(q: jax.Array, k: jax.Array, masks: MaskOperands, dense: DenseOperands, config: ScoreConfig,
+          want_dbias: bool = False) -> tuple[_Call, tuple[jax.Array, ...]]:
     present = tuple(name for name, x in zip(MaskOperands._fields, masks) if x.shape[-1])
-    call = _Call(config, present, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-    return call, tuple(getattr(masks, name) for name in present)
+    dense_present = tuple(name for name, x in zip(DenseOperands._fields, dense) if x.shape[-1])
+    call = _Call(config, present, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
+                 tuple((name, getattr(dense, name).shape) for name in dense_present), want_dbias)
+    return call, tuple(getattr(masks, name) for name in present) + tuple(getattr(dense, name)
+                                                                       for name in dense_present)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +136,20 @@ class _Layout:
         rest = {"alibi_slopes": self.heads, "q_segment_ids": self.q_seq, "kv_segment_ids": self.kv_seq}.get(name)
         return P(self.batch or None, rest or None)
 
+    def dense(self, name: str, shape: tuple[int, ...]) -> P:
+        """Bias/mask: full axes like the queries', broadcast axes and the key axis replicated; seeds by batch."""
+        if name == "dropout_seeds":
+            return P(self.batch or None, None)
+        return P(*((axes or None) if size != 1 else None for axes, size in zip(self._dense_roles(), shape)))
+
+    def broadcast_axes(self, shape: tuple[int, ...]) -> Axes:
+        """Mesh axes over which a bias of ``shape`` is replicated although the call is sharded: its gradient's
+        partial sums meet there."""
+        return tuple(a for axes, size in zip(self._dense_roles(), shape) if size == 1 for a in axes)
+
+    def _dense_roles(self) -> tuple[Axes, ...]:
+        return (self.batch, self.heads, self.q_seq, ())
+
 
 def _axes(sharding: object, dim: int) -> Axes:
     """Mesh axes sharding dimension ``dim`` (empty when replicated or unknown)."""
@@ -128,6 +172,8 @@ def _decide(call: _Call, mesh: Mesh, q_sharding: object, k_sharding: object) -> 
         return axes
 
     batch = take(_axes(q_sharding, 0) or _axes(k_sharding, 0), call.batch)
+    if call.dropout:  # see the module docstring
+        return _Layout(batch)
     kv_heads = heads = take(_axes(q_sharding, 2) or _axes(k_sharding, 2), call.heads_kv)
     if not heads and call.heads_kv == 1:
         heads = take(_axes(q_sharding, 2), call.heads_q)
@@ -176,7 +222,8 @@ def _named(mesh: Mesh, *specs: P) -> tuple[NamedSharding, ...]:
 
 
 def _mask_shardings(call: _Call, mesh: Mesh, layout: _Layout) -> tuple[NamedSharding, ...]:
-    return _named(mesh, *(layout.mask(name) for name in call.present))
+    return _named(mesh, *(layout.mask(name) for name in call.present),
+                  *(layout.dense(name, shape) for name, shape in call.dense))
 
 
 # Shardy factors. Query and key/value heads are separate factors: tying them as a compound "(hk g)" lets Shardy
@@ -185,38 +232,60 @@ def _mask_shardings(call: _Call, mesh: Mesh, layout: _Layout) -> tuple[NamedShar
 _QUERY, _KV, _LSE = "b sq hq d", "b sk hk d", "b hq sq"
 _MASKS = {"alibi_slopes": "b hq", "q_seqlens": "b qn", "kv_seqlens": "b kn", "q_segment_ids": "b sq",
           "kv_segment_ids": "b sk"}
+_SEEDS = "b sd"
+_DENSE_FULL, _DENSE_BROADCAST = ("b", "hq", "sq", "sk"), ("b1", "h1", "q1", "k1")
+
+
+def _dense_factors(shape: tuple[int, ...]) -> str:
+    """Bias/mask factors: the queries' and keys' where full, size-1 factors of their own where broadcast."""
+    return " ".join(full if size != 1 else one for full, one, size in zip(_DENSE_FULL, _DENSE_BROADCAST, shape))
+
+
+def _operand_factors(call: _Call) -> list[str]:
+    return ([_MASKS[name] for name in call.present]
+            + [_SEEDS if name == "dropout_seeds" else _dense_factors(shape) for name, shape in call.dense])
 
 
 def _sharding_rule(operands: Sequence[str], results: Sequence[str], call: _Call) -> tuple[str, dict[str, object]]:
     """Shardy rule: factors shared by name; head_dim never sharded, sequence factors only where ``_decide`` can
     shard them (the ``partition`` callback has the last word either way)."""
     rule = ", ".join(operands) + " -> " + ", ".join(results)
-    replicated = {"d", "qn", "kn"} | (set() if call.sequence_shardable else {"sq", "sk"})
+    replicated = {"d", "qn", "kn", "sd", *_DENSE_BROADCAST} | (set() if call.sequence_shardable else {"sq", "sk"})
+    if call.dropout:
+        replicated |= {"hq", "hk", "sq", "sk"}
     # In order of first appearance: Shardy wants these factor indices sorted and jax passes them through as is.
     factors = dict.fromkeys(rule.replace(",", " ").split())
     return rule, {"need_replication_factors": tuple(f for f in factors if f in replicated)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Forward: (q, k, v, *masks) -> (o, lse)
+# Forward: (q, k, v, *masks, *dense) -> (o, lse)
 
 
 def _forward_impl(call: _Call, q: jax.Array, k: jax.Array, v: jax.Array,
                   *present: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _ffi_calls.forward(q, k, v, call.masks(q.shape[0], present), call.config)
+    batch = q.shape[0]
+    return _ffi_calls.forward(q, k, v, call.masks(batch, present), call.config, call.dense_operands(batch, present))
 
 
 _forward_op = custom_partitioning(_forward_impl, static_argnums=(0,))
 
 
+def _relayout_dense(dense: DenseOperands, into) -> DenseOperands:
+    """Moves the full query axes of the bias and mask like the queries (their key axes stay whole)."""
+    move = lambda x: into(x, axis=2) if x.shape[-1] and x.shape[2] != 1 else x
+    return dense._replace(bias=move(dense.bias), mask=move(dense.mask))
+
+
 def _forward_local(call: _Call, mesh: Mesh, layout: _Layout, q: jax.Array, k: jax.Array, v: jax.Array,
                    *present: jax.Array) -> tuple[jax.Array, jax.Array]:
-    masks = call.masks(q.shape[0], present)
+    masks, dense = call.masks(q.shape[0], present), call.dense_operands(q.shape[0], present)
     if not layout.q_seq:
-        return _ffi_calls.forward(q, k, v, masks, call.config)
+        return _ffi_calls.forward(q, k, v, masks, call.config, dense)
     spec = _ring_spec(call, mesh, layout)
     into, back = _relayout_functions(spec, layout)
-    o, lse = _ring.ring_forward(into(q), into(k), into(v), _relayout_masks(masks, into), spec, layout.q_seq)
+    o, lse = _ring.ring_forward(into(q), into(k), into(v), _relayout_masks(masks, into), spec, layout.q_seq,
+                                _relayout_dense(dense, into))
     return back(o), back(lse, axis=2)
 
 
@@ -247,8 +316,7 @@ def _forward_propagate_user(call: _Call, mesh: Mesh, user_shape):
 
 def _forward_rule(call: _Call, mesh, operand_types, result_types):
     del mesh, operand_types, result_types
-    operands = [_QUERY, _KV, _KV] + [_MASKS[name] for name in call.present]
-    return _sharding_rule(operands, [_QUERY, _LSE], call)
+    return _sharding_rule([_QUERY, _KV, _KV] + _operand_factors(call), [_QUERY, _LSE], call)
 
 
 _forward_op.def_partition(
@@ -260,12 +328,14 @@ _forward_op.def_partition(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Backward: (q, k, v, o, lse, d_o, d_lse, *masks) -> (dq, dk, dv)
+# Backward: (q, k, v, o, lse, d_o, d_lse, *masks, *dense) -> (dq, dk, dv[, dbias])
 
 
 def _backward_impl(call: _Call, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,
-                   d_o: jax.Array, d_lse: jax.Array, *present: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, call.masks(q.shape[0], present), call.config)
+                   d_o: jax.Array, d_lse: jax.Array, *present: jax.Array) -> tuple[jax.Array, ...]:
+    batch = q.shape[0]
+    return _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, call.masks(batch, present), call.config,
+                               call.dense_operands(batch, present), want_dbias=call.want_dbias)
 
 
 _backward_op = custom_partitioning(_backward_impl, static_argnums=(0,))
@@ -273,20 +343,32 @@ _backward_op = custom_partitioning(_backward_impl, static_argnums=(0,))
 
 def _backward_local(call: _Call, mesh: Mesh, layout: _Layout, q: jax.Array, k: jax.Array, v: jax.Array,
                     o: jax.Array, lse: jax.Array, d_o: jax.Array, d_lse: jax.Array,
-                    *present: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    masks = call.masks(q.shape[0], present)
+                    *present: jax.Array) -> tuple[jax.Array, ...]:
+    masks, dense = call.masks(q.shape[0], present), call.dense_operands(q.shape[0], present)
     if layout.q_seq:
         spec = _ring_spec(call, mesh, layout)
         into, back = _relayout_functions(spec, layout)
-        dq, dk, dv = _ring.ring_backward(into(q), into(k), into(v), into(o), into(lse, axis=2), into(d_o),
-                                         into(d_lse, axis=2), _relayout_masks(masks, into), spec, layout.q_seq)
-        dq, dk, dv = back(dq), back(dk), back(dv)
+        grads = _ring.ring_backward(into(q), into(k), into(v), into(o), into(lse, axis=2), into(d_o),
+                                    into(d_lse, axis=2), _relayout_masks(masks, into), spec, layout.q_seq,
+                                    _relayout_dense(dense, into), want_dbias=call.want_dbias)
+        dbias = [_relayout_dense(dense._replace(bias=g), back).bias for g in grads[3:]]
+        grads = (back(grads[0]), back(grads[1]), back(grads[2]), *dbias)
     else:
-        dq, dk, dv = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, call.config)
+        grads = _ffi_calls.backward(q, k, v, o, lse, d_o, d_lse, masks, call.config, dense,
+                                    want_dbias=call.want_dbias)
+    dq, dk, dv, *dbias = grads
     if layout.heads and not layout.kv_heads:
         # Multi-query: every head shard's queries used the one replicated key/value head.
         dk, dv = (lax.psum(g.astype(jnp.float32), layout.heads).astype(g.dtype) for g in (dk, dv))
-    return dq, dk, dv
+    # Each shard summed its own rows over the bias's broadcast axes: the shards sharing the bias add up.
+    shared = layout.broadcast_axes(call.bias_shape()) if dbias else ()
+    return (dq, dk, dv, *(lax.psum(g, shared) if shared else g for g in dbias))
+
+
+def _backward_results(call: _Call, mesh: Mesh, layout: _Layout) -> tuple[NamedSharding, ...]:
+    query, kv = layout.query(), layout.kv()
+    dbias = (layout.dense("bias", call.bias_shape()),) if call.want_dbias else ()
+    return _named(mesh, query, kv, kv, *dbias)
 
 
 def _backward_partition(call: _Call, mesh: Mesh, arg_shapes, result_shape):
@@ -294,25 +376,24 @@ def _backward_partition(call: _Call, mesh: Mesh, arg_shapes, result_shape):
     layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
     query, kv, lse = layout.query(), layout.kv(), layout.lse()
     args = _named(mesh, query, kv, kv, query, lse, query, lse) + _mask_shardings(call, mesh, layout)
-    return mesh, functools.partial(_backward_local, call, mesh, layout), _named(mesh, query, kv, kv), args
+    local = functools.partial(_backward_local, call, mesh, layout)
+    return mesh, local, _backward_results(call, mesh, layout), args
 
 
 def _backward_infer(call: _Call, mesh: Mesh, arg_shapes, result_shape):
     del result_shape
-    layout = _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
-    return _named(mesh, layout.query(), layout.kv(), layout.kv())
+    return _backward_results(call, mesh, _decide(call, mesh, arg_shapes[0].sharding, arg_shapes[1].sharding))
 
 
 def _backward_propagate_user(call: _Call, mesh: Mesh, user_shape):
-    del call
-    layout = _output_layout(user_shape[0].sharding)
-    return _named(mesh, layout.query(), layout.kv(), layout.kv())
+    return _backward_results(call, mesh, _output_layout(user_shape[0].sharding))
 
 
 def _backward_rule(call: _Call, mesh, operand_types, result_types):
     del mesh, operand_types, result_types
-    operands = [_QUERY, _KV, _KV, _QUERY, _LSE, _QUERY, _LSE] + [_MASKS[name] for name in call.present]
-    return _sharding_rule(operands, [_QUERY, _KV, _KV], call)
+    operands = [_QUERY, _KV, _KV, _QUERY, _LSE, _QUERY, _LSE] + _operand_factors(call)
+    dbias = [_dense_factors(call.bias_shape())] if call.want_dbias else []
+    return _sharding_rule(operands, [_QUERY, _KV, _KV] + dbias, call)
 
 
 _backward_op.def_partition(
@@ -327,50 +408,47 @@ _backward_op.def_partition(
 # Public entry points, with vmap support.
 
 
-def _fold(x: jax.Array, batched: bool, axis_size: int) -> jax.Array:
-    """``[n, B, ...]`` (or unbatched ``[B, ...]``, broadcast) -> ``[n * B, ...]``."""
-    if not batched:
-        x = jnp.broadcast_to(x, (axis_size, *x.shape))
-    return x.reshape(axis_size * x.shape[1], *x.shape[2:])
-
-
-def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
-    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
-
-
-def _fold_all(axis_size: int, in_batched, args):
-    return jax.tree.map(functools.partial(_fold, axis_size=axis_size), tuple(args), tuple(in_batched))
-
-
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
-            config: ScoreConfig) -> tuple[jax.Array, jax.Array]:
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
+            dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """``_ffi_calls.forward`` that partitions under ``jit`` with sharded operands; same shapes and results."""
+    dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, masks):
-        call, present = _call(q, k, masks, config)
+    def run(q, k, v, masks, dense):
+        call, present = _call(q, k, masks, dense, config)
         return _forward_op(call, q, k, v, *present)
 
     @run.def_vmap
-    def _(axis_size, in_batched, *args):
-        o, lse = forward(*_fold_all(axis_size, in_batched, args), config)
-        return (_unfold(o, axis_size), _unfold(lse, axis_size)), (True, True)
+    def _(axis_size, in_batched, q, k, v, masks, dense):
+        batch = q.shape[1 if in_batched[0] else 0]
+        o, lse = forward(*_folding.fold_all(axis_size, in_batched[:4], (q, k, v, masks)), config,
+                         _folding.fold_dense(axis_size, batch, in_batched[4], dense))
+        return (_folding.unfold(o, axis_size), _folding.unfold(lse, axis_size)), (True, True)
 
-    return run(q, k, v, masks)
+    return run(q, k, v, masks, dense)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
-             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+             d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands | None = None,
+             want_dbias: bool = False) -> tuple[jax.Array, ...]:
     """``_ffi_calls.backward`` that partitions under ``jit`` with sharded operands; same shapes and results."""
+    dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, o, lse, d_o, d_lse, masks):
-        call, present = _call(q, k, masks, config)
+    def run(q, k, v, o, lse, d_o, d_lse, masks, dense):
+        call, present = _call(q, k, masks, dense, config, want_dbias)
         return _backward_op(call, q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *present)
 
     @run.def_vmap
     def _(axis_size, in_batched, *args):
-        grads = backward(*_fold_all(axis_size, in_batched, args), config)
-        return tuple(_unfold(g, axis_size) for g in grads), (True, True, True)
+        *arrays, dense = args
+        batch = arrays[0].shape[1 if in_batched[0] else 0]
+        grads = backward(*_folding.fold_all(axis_size, in_batched[:-1], arrays), config,
+                         _folding.fold_dense(axis_size, batch, in_batched[-1], dense), want_dbias)
+        unfolded = tuple(_folding.unfold(g, axis_size) for g in grads[:3])
+        if not want_dbias:
+            return unfolded, (True,) * 3
+        dbias, batched = _folding.unfold_dbias(grads[3], dense.bias, in_batched[-1].bias, axis_size)
+        return (*unfolded, dbias), (True,) * 3 + (batched,)
 
-    return run(q, k, v, o, lse, d_o, d_lse, masks)
+    return run(q, k, v, o, lse, d_o, d_lse, masks, dense)

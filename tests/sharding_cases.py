@@ -42,6 +42,11 @@ def mask_spec(name: str, value: jax.Array, qkv_spec: P) -> P:
     """Sharding of a mask argument consistent with q/k/v sharded as ``qkv_spec`` ([B, S, H, D])."""
     spec = tuple(qkv_spec) + (None,) * (4 - len(qkv_spec))
     batch, seq, heads = spec[0], spec[1], spec[2]
+    if name in ("bias", "mask"):  # [B|1, H|1, Sq|1, Sk|1], leading axes optional: full axes sharded like q's
+        roles = (batch, heads, seq, None)[4 - value.ndim:]
+        return P(*(role if size != 1 else None for role, size in zip(roles, value.shape)))
+    if value.ndim == 0:  # a PRNG key
+        return P()
     if name.endswith("segment_ids"):
         return P(batch, seq)
     if name == "alibi_slopes":
@@ -50,19 +55,23 @@ def mask_spec(name: str, value: jax.Array, qkv_spec: P) -> P:
 
 
 def probe(fn: Callable[..., tuple[jax.Array, jax.Array]], static: dict[str, Any]) -> Callable[..., tuple]:
-    """A jitted ``(q, k, v, d_o, d_lse, arrays) -> (o, lse, dq, dk, dv)`` of ``fn(q, k, v, return_lse=True,
-    **static, **arrays)``, the gradients being those of ``sum(o * d_o) + sum(lse * d_lse)`` (fully masked rows'
-    -inf lse left out)."""
+    """A jitted ``(q, k, v, d_o, d_lse, arrays) -> (o, lse, dq, dk, dv[, dbias])`` of ``fn(q, k, v,
+    return_lse=True, **static, **arrays)``, the gradients (dbias when ``arrays`` has a bias) being those of
+    ``sum(o * d_o) + sum(lse * d_lse)`` (fully masked rows' -inf lse left out)."""
 
-    def loss(q, k, v, d_o, d_lse, arrays):
-        o, lse = fn(q, k, v, return_lse=True, **static, **arrays)
+    def loss(q, k, v, bias, d_o, d_lse, arrays):
+        extra = {} if bias is None else {"bias": bias}
+        o, lse = fn(q, k, v, return_lse=True, **static, **arrays, **extra)
         total = jnp.sum(o * d_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
         return total, (o, lse)
 
     @jax.jit
     def run(q, k, v, d_o, d_lse, arrays):
-        (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, d_o, d_lse,
-                                                                                           arrays)
+        arrays = dict(arrays)
+        bias = arrays.pop("bias", None)
+        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias, d_o, d_lse,
+                                                                                         arrays)
         return (o, lse, *grads)
 
     return run
@@ -91,7 +100,7 @@ def compare_sharded(q, k, v, kwargs: dict[str, Any], m: Mesh, q_spec: P, kv_spec
             {name: put(x, mask_spec(name, x, kv_spec if name == "kv_segment_ids" else q_spec))
              for name, x in arrays.items()})
     actual = run(*args)
-    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), actual, expected):
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv", "dbias"), actual, expected):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name,
                                    **TOLERANCE)
     return run.lower(*args).compile().as_text() if return_hlo else None
