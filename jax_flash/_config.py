@@ -67,9 +67,5 @@ class DenseOperands(NamedTuple):
                              jnp.zeros((batch, 0), jnp.uint32))
 
     @property
-    def any_present(self) -> bool:
-        return any(x.shape[-1] != 0 for x in self)
-
-    @property
     def has_bias(self) -> bool:
         return self.bias.shape[-1] != 0
