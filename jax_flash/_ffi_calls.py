@@ -63,8 +63,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, and ``dbias`` (float32,
     shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
-    Two extra results are workspaces the kernels need (float32 dQ accumulator, ``rowsum(dO * O) - dlse``);
-    XLA allocates them, so their memory lives as long as the queued kernels.
+    An extra result is the workspace the kernels need (``rowsum(dO * O) - dlse``, float32); XLA allocates it,
+    so its memory lives as long as the queued kernels.
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
@@ -72,11 +72,10 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
-        _result(q, q.shape, jnp.float32),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks, *dense,
+    dq, dk, dv, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks, *dense,
                                    **_score_attributes(config), deterministic=bool(config.deterministic))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

@@ -77,8 +77,7 @@ struct AttentionBackwardParams : AttentionParams {
   void* dq = nullptr;              // like q
   void* dk = nullptr;              // like k
   void* dv = nullptr;              // like v
-  // Workspaces, allocated by XLA as extra results of the call (never the FFI scratch allocator).
-  float* dq_accum = nullptr;       // [batch, seqlen_q, heads_q, head_dim] float32
+  // Workspace, allocated by XLA as an extra result of the call (never the FFI scratch allocator).
   float* softmax_d = nullptr;      // [batch, heads_q, seqlen_q] float32: rowsum(dO * O) - dlse
   float* dbias = nullptr;          // like bias (same strides), float32; nullptr when not wanted
   bool deterministic = false;      // bit-reproducible gradients

@@ -151,11 +151,11 @@ void attention_backward(const AttentionBackwardParams& p) {
 
   const int64_t dq_elements = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
   const int64_t batch_dq_elements = p.seqlen_q * p.heads_q * p.head_dim;
-  std::fill(p.dq_accum, p.dq_accum + dq_elements, 0.0f);
-  std::vector<float> extra_partials((chunks - 1) * dq_elements, 0.0f);  // chunk c > 0 writes its own copy
+  // Host memory is safe here (the kernels finish before the handler returns), so the float32 dQ accumulators
+  // need no workspace from XLA: one per chunk of key tiles.
+  std::vector<float> dq_partials(chunks * dq_elements, 0.0f);
   auto dq_partial = [&](int64_t chunk, int64_t b) {
-    float* base = chunk == 0 ? p.dq_accum : extra_partials.data() + (chunk - 1) * dq_elements;
-    return base + b * batch_dq_elements;
+    return dq_partials.data() + chunk * dq_elements + b * batch_dq_elements;
   };
 
   // dbias: tasks that add into the same elements (the bias is broadcast along their batch rows, KV heads or
@@ -229,9 +229,9 @@ void attention_backward(const AttentionBackwardParams& p) {
   parallel_for((total_rows + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
     const int64_t first = task * rows_per_task;
     const int64_t rows = std::min(rows_per_task, total_rows - first);
-    float* dq = p.dq_accum + first * p.head_dim;
+    float* dq = dq_partials.data() + first * p.head_dim;
     for (int64_t chunk = 1; chunk < chunks; ++chunk) {
-      const float* partial = extra_partials.data() + (chunk - 1) * dq_elements + first * p.head_dim;
+      const float* partial = dq_partials.data() + chunk * dq_elements + first * p.head_dim;
       for (int64_t e = 0; e < rows * p.head_dim; ++e) dq[e] += partial[e];
     }
     store_rows(dq, p.head_dim, rows, p.head_dim, p.dq, p.element_type, p.head_dim, first);

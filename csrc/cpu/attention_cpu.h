@@ -12,7 +12,7 @@ inline constexpr int64_t kKeyTile = 128;
 // Writes p.o and p.lse.
 void attention_forward(const AttentionParams& p);
 
-// Writes p.dq, p.dk, p.dv; uses p.dq_accum and p.softmax_d as workspace. Always deterministic.
+// Writes p.dq, p.dk, p.dv; uses p.softmax_d as workspace. Always deterministic.
 void attention_backward(const AttentionBackwardParams& p);
 
 }  // namespace jax_flash::cpu

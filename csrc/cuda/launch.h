@@ -14,7 +14,7 @@ namespace jax_flash::cuda {
 // Forward: writes p.o and p.lse. Enqueued on `stream`; never synchronises.
 std::string run_forward(const AttentionParams& p, cudaStream_t stream);
 
-// Backward: writes p.dq, p.dk, p.dv, using p.dq_accum and p.softmax_d as workspace.
+// Backward: writes p.dq, p.dk, p.dv, using p.softmax_d as workspace.
 std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash::cuda

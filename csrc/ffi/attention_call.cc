@@ -128,8 +128,6 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   JF_RETURN_IF_ERROR(expect_buffer("dq", out.dq, type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
   JF_RETURN_IF_ERROR(expect_buffer("dk", out.dk, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
   JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
-  JF_RETURN_IF_ERROR(expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch,
-                                   {p->seqlen_q, p->heads_q, p->head_dim}));
   JF_RETURN_IF_ERROR(
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
   // dbias: the bias's shape when the caller differentiates with respect to the bias, else a placeholder.
@@ -151,7 +149,6 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   p->dq = out.dq.untyped_data();
   p->dk = out.dk.untyped_data();
   p->dv = out.dv.untyped_data();
-  p->dq_accum = static_cast<float*>(out.dq_accum.untyped_data());
   p->softmax_d = static_cast<float*>(out.softmax_d.untyped_data());
   p->deterministic = deterministic;
   return ffi::Error::Success();

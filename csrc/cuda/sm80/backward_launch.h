@@ -2,8 +2,8 @@
 //   1. softmax_d pre-pass
 //   2. dK/dV pass (one CTA per key tile and KV head)
 //   3. dQ pass (one CTA per query tile and head)
-// No atomics anywhere, so every run is bit-identical (p.deterministic needs nothing extra) and the dq_accum
-// workspace is not used.
+// No atomics anywhere, so every run is bit-identical (p.deterministic needs nothing extra) and no float32 dQ
+// workspace is needed.
 #pragma once
 
 #include <string>

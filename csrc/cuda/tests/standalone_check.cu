@@ -314,7 +314,6 @@ bool run_case(const Case& c, std::mt19937& rng) {
     p.dq = poisoned<uint16_t>(nq);
     p.dk = poisoned<uint16_t>(nk);
     p.dv = poisoned<uint16_t>(nk);
-    p.dq_accum = poisoned<float>(nq);
     p.softmax_d = poisoned<float>(nstat);
     err = jax_flash::cuda::run_backward(p, nullptr);
     if (!err.empty()) {
@@ -337,7 +336,6 @@ bool run_case(const Case& c, std::mt19937& rng) {
       ok &= same;
     }
     for (void* ptr : {p.dq, p.dk, p.dv}) CHECK_CUDA(cudaFree(ptr));
-    CHECK_CUDA(cudaFree(p.dq_accum));
     CHECK_CUDA(cudaFree(p.softmax_d));
   }
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
@@ -418,7 +416,6 @@ void bench() {
     p.lse = poisoned<float>(B * H * S);
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
-    p.dq_accum = poisoned<float>(n);
     const double flops = 4.0 * B * H * S * S * D * (causal ? 0.5 : 1.0);
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
