@@ -24,7 +24,6 @@ On GPUs (all visible ones; ``--seq-shards`` of them along the sequence)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -40,20 +39,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
+from decoder_lm import DecoderLM, ModelConfig
 from jax_flash import flax_layers
 
 TOKENS = P("data", "seq")  # [batch, seq_len] and every [batch, seq_len, ...] activation
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    dtype: jnp.dtype
 
 
 def zigzag_ring_attention_fn(mesh: Mesh) -> Callable[..., jax.Array]:
@@ -72,42 +61,6 @@ def zigzag_ring_attention_fn(mesh: Mesh) -> Callable[..., jax.Array]:
         return jax.shard_map(ring, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(query, key, value)
 
     return attention_fn
-
-
-class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention, then a GELU MLP."""
-
-    def __init__(self, config: ModelConfig, attention_fn: Callable[..., jax.Array], rngs: nnx.Rngs):
-        d_model, dtype = config.d_model, config.dtype
-        self.attention_norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
-        self.attention = flax_layers.nnx.MultiHeadAttention(
-            num_heads=config.num_heads, in_features=d_model, num_kv_heads=config.num_kv_heads, use_bias=False,
-            decode=False, dtype=dtype, attention_fn=attention_fn, rngs=rngs)
-        self.mlp_norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
-        self.mlp_in = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
-        self.mlp_out = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[batch, seq_len, d_model]`` -> same shape."""
-        x = x + self.attention(self.attention_norm(x), is_causal=True)
-        return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
-
-
-class DecoderLM(nnx.Module):
-    """Token + learned position embeddings, ``num_layers`` blocks, tied output head."""
-
-    def __init__(self, config: ModelConfig, attention_fn: Callable[..., jax.Array], rngs: nnx.Rngs):
-        self.token_embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype, rngs=rngs)
-        self.position_embed = nnx.Embed(config.seq_len, config.d_model, dtype=config.dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(config, attention_fn, rngs) for _ in range(config.num_layers)])
-        self.final_norm = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        """Int ``[batch, seq_len]`` tokens and their positions -> float32 ``[batch, seq_len, vocab]`` logits."""
-        x = self.token_embed(tokens) + self.position_embed(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.token_embed.attend(self.final_norm(x)).astype(jnp.float32)
 
 
 def copy_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> dict[str, jax.Array]:

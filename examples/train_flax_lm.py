@@ -41,6 +41,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from decoder_lm import DecoderLM, ModelConfig
 from jax_flash import flax_layers
 
 ATTENTION_FNS: dict[str, Callable[..., jax.Array]] = {
@@ -48,62 +49,6 @@ ATTENTION_FNS: dict[str, Callable[..., jax.Array]] = {
     "flax": nnx.dot_product_attention,
     "cudnn": functools.partial(flax_layers.dot_product_attention, implementation="cudnn"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Model shape; ``dtype`` is the compute dtype (parameters stay float32)."""
-
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    dtype: jnp.dtype
-
-
-class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention, then a GELU MLP."""
-
-    def __init__(self, config: ModelConfig, attention_fn: Callable[..., jax.Array], rngs: nnx.Rngs):
-        d_model, dtype = config.d_model, config.dtype
-        self.attention_norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
-        self.attention = flax_layers.nnx.MultiHeadAttention(
-            num_heads=config.num_heads,
-            in_features=d_model,
-            num_kv_heads=config.num_kv_heads,
-            use_bias=False,
-            decode=False,
-            dtype=dtype,
-            attention_fn=attention_fn,
-            rngs=rngs,
-        )
-        self.mlp_norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
-        self.mlp_in = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
-        self.mlp_out = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[batch, seq_len, d_model]`` -> same shape."""
-        x = x + self.attention(self.attention_norm(x), is_causal=True)
-        return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
-
-
-class DecoderLM(nnx.Module):
-    """Token + learned position embeddings, ``num_layers`` blocks, tied output head."""
-
-    def __init__(self, config: ModelConfig, attention_fn: Callable[..., jax.Array], rngs: nnx.Rngs):
-        self.token_embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype, rngs=rngs)
-        self.position_embed = nnx.Embed(config.seq_len, config.d_model, dtype=config.dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(config, attention_fn, rngs) for _ in range(config.num_layers)])
-        self.final_norm = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Int ``[batch, seq_len]`` tokens -> float32 ``[batch, seq_len, vocab_size]`` logits."""
-        x = self.token_embed(tokens) + self.position_embed(jnp.arange(tokens.shape[-1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.token_embed.attend(self.final_norm(x)).astype(jnp.float32)
 
 
 def copy_batch(key: jax.Array, batch_size: int, length: int, vocab_size: int) -> jax.Array:
@@ -120,7 +65,8 @@ def copy_loss(model: DecoderLM, tokens: jax.Array) -> tuple[jax.Array, jax.Array
       tokens: ``[batch, seq_len + 1]`` from ``copy_batch``; the model reads the
         first ``seq_len`` and predicts the last ``seq_len``.
     """
-    logits = model(tokens[:, :-1])
+    inputs = tokens[:, :-1]
+    logits = model(inputs, jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape))
     first_repeat = (tokens.shape[1] + 1) // 2
     logits, targets = logits[:, first_repeat - 1 :], tokens[:, first_repeat:]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
