@@ -64,6 +64,11 @@ def static_bool(name: str, value: object) -> bool:
     return bool(value)
 
 
+# Sequences are shorter than 2^31, so a window of 2^32 or more reaches every key: it is unbounded (-1), which also
+# keeps the kernels' int64 index arithmetic far from overflow.
+_UNBOUNDED_WINDOW = 2 ** 32
+
+
 def window(name: str, value: object) -> tuple[int, int]:
     """(left, right) with -1 for unbounded."""
     if value is None:
@@ -76,7 +81,7 @@ def window(name: str, value: object) -> tuple[int, int]:
             raise TypeError(f"{name} entries must be integers, got {value!r}")
         if side < -1:
             raise ValueError(f"{name} entries must be >= 0, or -1 for unbounded, got {value!r}")
-        result.append(int(side))
+        result.append(-1 if side >= _UNBOUNDED_WINDOW else int(side))
     return (result[0], result[1])
 
 
@@ -86,7 +91,24 @@ def _integer_array(name: str, value: object, shape: tuple[int, ...]) -> jax.Arra
         raise TypeError(f"{name} must have an integer dtype, got {array.dtype}")
     if array.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+    return array
+
+
+def _segment_ids(name: str, value: object, shape: tuple[int, ...]) -> jax.Array:
+    array = _integer_array(name, value, shape)
+    # Ids are only compared for equality: any 32-bit type maps to int32 one to one, a 64-bit one would not.
+    if jnp.dtype(array.dtype).itemsize > 4:
+        raise TypeError(f"{name} must be a 32-bit (or narrower) integer array, got {array.dtype}; use "
+                        f"{name}.astype(jnp.int32)")
     return array.astype(jnp.int32)
+
+
+def dropout_rate(value: object) -> float:
+    """The rate as the kernels see it (float32), checked to be in [0, 1)."""
+    rate = float(np.float32(static_float("dropout_rate", value, minimum=0.0)))
+    if rate >= 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1) in float32, got {value}")
+    return rate
 
 
 def mask_operands(q: jax.Array, k: jax.Array, *, alibi_slopes: object, q_seqlens: object, kv_seqlens: object,
@@ -112,15 +134,17 @@ def mask_operands(q: jax.Array, k: jax.Array, *, alibi_slopes: object, q_seqlens
     def seqlens(name: str, value: object) -> jax.Array:
         if value is None:
             return absent_int
-        return _integer_array(name, value, (batch,))[:, None]
+        # Clipped before the int32 cast, so that an int64 length beyond the sequence cannot wrap around.
+        length = seqlen_q if name == "q_seqlens" else seqlen_k
+        return jnp.clip(_integer_array(name, value, (batch,)), 0, length).astype(jnp.int32)[:, None]
 
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     if q_segment_ids is None:
         q_segments, kv_segments = absent_int, absent_int
     else:
-        q_segments = _integer_array("q_segment_ids", q_segment_ids, (batch, seqlen_q))
-        kv_segments = _integer_array("kv_segment_ids", kv_segment_ids, (batch, seqlen_k))
+        q_segments = _segment_ids("q_segment_ids", q_segment_ids, (batch, seqlen_q))
+        kv_segments = _segment_ids("kv_segment_ids", kv_segment_ids, (batch, seqlen_k))
 
     return MaskOperands(alibi, seqlens("q_seqlens", q_seqlens), seqlens("kv_seqlens", kv_seqlens), q_segments,
                         kv_segments)

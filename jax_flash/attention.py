@@ -162,9 +162,7 @@ def attention(
     head_dim = q.shape[-1]
     scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
              else _validation.static_float("softmax_scale", softmax_scale))
-    rate = _validation.static_float("dropout_rate", dropout_rate, minimum=0.0)
-    if rate >= 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    rate = _validation.dropout_rate(dropout_rate)
     left, right = _validation.window("window_size", window_size)
     config = ScoreConfig(
         softmax_scale=scale,

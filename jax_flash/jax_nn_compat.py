@@ -110,9 +110,7 @@ def flax_compatible_attention(
     softmax_scale = (1.0 / math.sqrt(query.shape[-1]) if scale is None
                      else _validation.static_float("scale", scale))
     left, right = _local_window(local_window_size)
-    rate = _validation.static_float("dropout_rate", dropout_rate, minimum=0.0)
-    if rate >= 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    rate = _validation.dropout_rate(dropout_rate)
     config = ScoreConfig(softmax_scale=softmax_scale, causal=_validation.static_bool("is_causal", is_causal),
                          align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate)
     masks = _validation.mask_operands(query, key, alibi_slopes=None, q_seqlens=query_seq_lengths,

@@ -182,3 +182,50 @@ def test_traced_scale_is_rejected():
     q, k, v = _inputs()
     with pytest.raises(TypeError, match="softmax_scale"):
         jax.jit(lambda s: jax_flash.attention(q, k, v, softmax_scale=s))(0.5)
+
+
+def test_empty_batch_with_bias_gradient():
+    q = k = v = jnp.zeros((0, 8, 2, 16), jnp.float32)
+    bias = jnp.ones((1, 1, 8, 8), jnp.float32)
+    dbias = jax.grad(lambda b: jax_flash.attention(q, k, v, bias=b).sum())(bias)
+    assert dbias.shape == bias.shape and np.all(np.asarray(dbias) == 0)
+
+
+def test_windows_past_every_sequence_are_unbounded():
+    q, k, v = _inputs(seqlen_q=8, seqlen_k=4)
+    huge = 2 ** 63 - 1
+    for window in ((2, huge), (huge, -1), (huge, huge)):
+        expected = tuple(-1 if side == huge else side for side in window)
+        np.testing.assert_array_equal(np.asarray(jax_flash.attention(q, k, v, window_size=window)),
+                                      np.asarray(jax_flash.attention(q, k, v, window_size=expected)))
+
+
+def test_raw_target_rejects_overflowing_diagonal():
+    q, k, v = _inputs()
+    call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
+                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 19), jnp.float32)))
+    masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((2, 0), jnp.uint32)]
+    with pytest.raises(Exception, match="2\\^40"):
+        jax.block_until_ready(call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0),
+                                   causal=False, align_to_sequence_end=True, diagonal_offset=np.int64(2 ** 62),
+                                   window_left=np.int64(2 ** 62), window_right=np.int64(2 ** 62),
+                                   dropout_rate=np.float32(0.0)))
+
+
+def test_wide_integer_lengths_and_ids_under_x64():
+    """int64 lengths beyond the sequence clip (never wrap); int64 segment ids are refused, not truncated."""
+    q, k, v = _inputs(seqlen_q=2, seqlen_k=2)
+    with jax.enable_x64(True):
+        long_lengths = jnp.array([2 ** 32 + 1, 2 ** 32 + 1], jnp.int64)
+        np.testing.assert_array_equal(np.asarray(jax_flash.attention(q, k, v, q_seqlens=long_lengths)),
+                                      np.asarray(jax_flash.attention(q, k, v)))
+        ids = jnp.array([[0, 2 ** 32]] * 2, jnp.int64)
+        with pytest.raises(TypeError, match="32-bit"):
+            jax_flash.attention(q, k, v, q_segment_ids=ids, kv_segment_ids=jnp.zeros((2, 2), jnp.int64))
+
+
+def test_dropout_rate_that_rounds_to_one_in_float32_is_refused():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="dropout_rate"):
+        jax_flash.attention(q, k, v, dropout_rate=0.99999999, dropout_rng=jax.random.key(0))

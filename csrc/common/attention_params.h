@@ -45,6 +45,7 @@ struct AttentionParams {
 
   // Optional dense operands, broadcastable to [batch, heads_q, seqlen_q, seqlen_k]; nullptr when absent.
   int64_t inner_batch = 1;                   // the batch axis of q itself; see BroadcastStrides
+  int64_t outer_batch = 1;                   // the vmap axes folded in front of it: batch = outer * inner
   const float* bias = nullptr;               // added to the scores after ALiBi
   BroadcastStrides bias_strides;
   const bool* mask = nullptr;                // false masks the score out

@@ -137,6 +137,10 @@ void accumulate_query_tile(const AttentionBackwardParams& p, const SliceGeometry
 }  // namespace
 
 void attention_backward(const AttentionBackwardParams& p) {
+  // dbias may be non-empty when the batch is (a bias broadcast over it): its gradient is then zero.
+  const int64_t dbias_elements = p.dbias ? p.outer_batch * p.bias_strides.outer : 0;
+  if (p.dbias) std::fill(p.dbias, p.dbias + dbias_elements, 0.0f);
+  if (p.batch == 0) return;  // every other output is empty
   const SliceGeometry geometry(p);
   const int64_t dp = geometry.padded_head_dim;
   compute_softmax_d(p, geometry);
@@ -161,12 +165,10 @@ void attention_backward(const AttentionBackwardParams& p) {
   // dbias: tasks that add into the same elements (the bias is broadcast along their batch rows, KV heads or
   // key chunks) get separate partials, summed in a fixed order at the end.
   const BroadcastStrides& bias_strides = p.bias_strides;
-  const int64_t dbias_elements = p.dbias ? (p.batch / p.inner_batch) * bias_strides.outer : 0;
   const int64_t batch_slots = bias_strides.batch == 0 ? p.inner_batch : 1;
   const int64_t head_slots = bias_strides.head == 0 ? p.heads_kv : 1;
   const int64_t chunk_slots = bias_strides.key == 0 ? chunks : 1;
   const int64_t dbias_slots = p.dbias ? batch_slots * head_slots * chunk_slots : 0;
-  if (p.dbias) std::fill(p.dbias, p.dbias + dbias_elements, 0.0f);
   std::vector<float> extra_dbias(dbias_slots > 1 ? (dbias_slots - 1) * dbias_elements : 0, 0.0f);
   auto dbias_target = [&](int64_t b, int64_t h, int64_t kv_head, int64_t chunk) {
     DbiasTarget target;

@@ -75,6 +75,11 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   if (!std::isfinite(a.softmax_scale)) return invalid("softmax_scale must be finite");
   if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) return invalid("softcap must be finite and >= 0");
   if (a.window_left < -1 || a.window_right < -1) return invalid("window sizes must be >= -1");
+  // Bounds that keep the kernels' int64 diagonal arithmetic (i + offset +- window) far from overflow.
+  constexpr int64_t kMaxDiagonalTerm = int64_t(1) << 40;
+  if (a.window_left > kMaxDiagonalTerm || a.window_right > kMaxDiagonalTerm ||
+      a.diagonal_offset > kMaxDiagonalTerm || a.diagonal_offset < -kMaxDiagonalTerm)
+    return invalid("window sizes and diagonal_offset must be at most 2^40 in magnitude (-1: unbounded window)");
 
   int64_t batch_size = 1;
   for (int64_t d : batch) batch_size *= d;
@@ -95,6 +100,8 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   p->q_segment_ids = has_q_segments ? static_cast<const int32_t*>(masks.q_segment_ids.untyped_data()) : nullptr;
   p->kv_segment_ids = has_kv_segments ? static_cast<const int32_t*>(masks.kv_segment_ids.untyped_data()) : nullptr;
   p->inner_batch = batch.back();
+  p->outer_batch = 1;
+  for (int64_t d : vmap_dims) p->outer_batch *= d;
   p->bias = has_bias ? static_cast<const float*>(masks.bias.untyped_data()) : nullptr;
   p->mask = has_mask ? static_cast<const bool*>(masks.mask.untyped_data()) : nullptr;
   p->dropout_rate = has_dropout ? a.dropout_rate : 0.0f;
