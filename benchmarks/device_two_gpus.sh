@@ -34,7 +34,7 @@ if ! (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT
   JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=90a JAX_FLASH_CUDA_HEAD_DIMS="${HEAD_DIMS:-32;64;128}" \
     stage build 240 python3 -m pip install --no-deps --no-build-isolation .
 fi
-(cd /tmp && stage sharding_tests 150 python3 -m pytest -q -p no:cacheprovider -x --rootdir "$repo" \
+(cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding_tests 150 python3 -m pytest -q -p no:cacheprovider -x --rootdir "$repo" \
   "$repo/tests/test_sharding.py" "$repo/tests/test_ring_attention.py")
 stage bench_sharding 150 python3 benchmarks/bench_sharding.py --iters 5
 cp benchmarks/results/sharding_*.json "$out/" 2>/dev/null

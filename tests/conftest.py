@@ -8,3 +8,22 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 # The helpers module sits beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+# Every suite but test_cuda.py checks the CPU handlers (the specification), so on a machine with a GPU their
+# arrays are placed on the CPU; test_cuda.py places its own. JAX_FLASH_TEST_PLATFORM=gpu leaves the default
+# device alone (the sharding tests then run on the GPUs).
+_OWN_PLACEMENT = {"test_cuda.py"}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_by_default(request):
+    if (os.path.basename(str(request.node.fspath)) in _OWN_PLACEMENT
+            or os.environ.get("JAX_FLASH_TEST_PLATFORM") == "gpu"):
+        yield
+        return
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

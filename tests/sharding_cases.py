@@ -3,6 +3,7 @@ arguments, and the value-and-gradient probe compared between sharded and unshard
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,20 +16,24 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 
+# The 8 fake CPU devices by default (the CPU handlers are the specification, and `pytest tests` must pass on a GPU
+# machine too); JAX_FLASH_TEST_PLATFORM=gpu runs these tests on the GPUs instead.
+PLATFORM = os.environ.get("JAX_FLASH_TEST_PLATFORM", "cpu")
+DEVICES = jax.devices(PLATFORM)
 # The CUDA kernels take half precision; elsewhere float32 keeps the comparison tight.
-ON_GPU = jax.default_backend() == "gpu"
+ON_GPU = PLATFORM == "gpu"
 DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
 # Sharded vs unsharded: ring merges reassociate sums (and round partial results to bfloat16 on GPU).
 TOLERANCE = dict(rtol=2e-2, atol=2e-2) if ON_GPU else dict(rtol=2e-5, atol=2e-5)
 # 8 devices (faked on CPU by conftest.py) give 2 x 4 meshes; a 2-GPU machine runs the tests on 1 x 2 meshes.
-NUM_DEVICES = 8 if jax.device_count() >= 8 else 2
+NUM_DEVICES = 8 if len(DEVICES) >= 8 else 2
 DEFAULT_SHAPE = (2, 4) if NUM_DEVICES == 8 else (1, 2)
-needs_devices = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 or more devices")
+needs_devices = pytest.mark.skipif(len(DEVICES) < 2, reason="needs 2 or more devices")
 
 
 def mesh(names: tuple[str, ...], shape: tuple[int, ...] | None = None, **kwargs: Any) -> Mesh:
     shape = DEFAULT_SHAPE if shape is None else shape
-    devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    devices = np.asarray(DEVICES[:int(np.prod(shape))]).reshape(shape)
     return Mesh(devices, names, **kwargs)
 
 
