@@ -134,9 +134,10 @@ def mask_operands(q: jax.Array, k: jax.Array, *, alibi_slopes: object, q_seqlens
     def seqlens(name: str, value: object) -> jax.Array:
         if value is None:
             return absent_int
-        # Clipped before the int32 cast, so that an int64 length beyond the sequence cannot wrap around.
-        length = seqlen_q if name == "q_seqlens" else seqlen_k
-        return jnp.clip(_integer_array(name, value, (batch,)), 0, length).astype(jnp.int32)[:, None]
+        # Saturated before the int32 cast, so that an int64 length cannot wrap around (the kernels clamp lengths to
+        # the sequence; ring attention passes global lengths with local shards, so no tighter bound here).
+        lengths = _integer_array(name, value, (batch,))
+        return jnp.clip(lengths, 0, np.iinfo(np.int32).max).astype(jnp.int32)[:, None]
 
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
