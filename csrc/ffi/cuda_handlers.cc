@@ -16,14 +16,6 @@ ffi::Error to_ffi_error(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInternal, "jax_flash (CUDA): " + message);
 }
 
-// Semantics the CPU handlers have and the CUDA kernels do not yet: refused, never silently ignored.
-std::string unsupported_on_gpu(const AttentionParams& p) {
-  if (p.bias != nullptr) return "an additive bias is not supported by the CUDA kernels yet";
-  if (p.mask != nullptr) return "a boolean mask is not supported by the CUDA kernels yet";
-  if (p.dropout_rate > 0.0f) return "dropout is not supported by the CUDA kernels yet";
-  return {};
-}
-
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
@@ -37,7 +29,7 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
        dropout_rate}, &params);
   if (error.failure()) return error;
-  if (std::string unsupported = unsupported_on_gpu(params); !unsupported.empty()) return to_ffi_error(unsupported);
+  // What the kernels cannot do (float32, bias, mask, dropout, ...) comes back as an error from run_forward.
   return to_ffi_error(cuda::run_forward(params, stream));
 }
 
@@ -59,7 +51,6 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
        dropout_rate},
       deterministic, &params);
   if (error.failure()) return error;
-  if (std::string unsupported = unsupported_on_gpu(params); !unsupported.empty()) return to_ffi_error(unsupported);
   return to_ffi_error(cuda::run_backward(params, stream));
 }
 
