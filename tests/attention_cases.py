@@ -111,6 +111,28 @@ def max_error(x, reference) -> float:
     return float(np.max(np.abs(x[finite] - reference[finite]), initial=0.0))
 
 
+def assert_forward_within_bound(q, k, v, dtype, **kwargs) -> None:
+    """o and lse of the kernels: shapes, dtypes and the FA-style bound against the float64 reference."""
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    o_xla, lse_xla = jax_flash.attention(q, k, v, return_lse=True, implementation="xla", **kwargs)
+    o_ref, lse_ref = oracle(q, k, v, **kwargs)
+    batch, seqlen_q, heads_q, _ = q.shape
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == jnp.float32
+    assert_within_bound("o", o, o_xla, o_ref, dtype)
+    assert_within_bound("lse", lse, lse_xla, lse_ref, jnp.float32)
+
+
+def assert_gradients_within_bound(q, k, v, d_o, dtype, **kwargs) -> None:
+    """dq, dk, dv of sum(o * d_o): shapes, dtypes and the bound against jax.grad of the float64 reference."""
+    ours = grads(q, k, v, d_o, **kwargs)
+    xla = grads(q, k, v, d_o, implementation="xla", **kwargs)
+    reference = oracle_grads(q, k, v, d_o, **kwargs)
+    for name, g, g_xla, g_ref, x in zip(("dq", "dk", "dv"), ours, xla, reference, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_within_bound(name, g, g_xla, g_ref, dtype, scale=4.0)
+
+
 def assert_within_bound(name: str, ours, xla_same_dtype, reference, dtype, scale: float = 1.0) -> None:
     """FA-style bound: err(ours) <= 2 * err(xla, same dtype) + atol (atol scaled by the reference magnitude)."""
     ours_error = max_error(ours, reference)
