@@ -92,24 +92,55 @@ def _call_masks(masks: _BlockMasks, call: BlockCall, q_rows: slice, kv_rows: sli
         return jnp.sum(counts[:, slots[0]:slots[-1] + 1], axis=1, keepdims=True)
 
     def rows(segment_ids: jax.Array, selected: slice) -> jax.Array:
-        return segment_ids[:, selected] if segment_ids.shape[-1] else segment_ids
+        return _take(segment_ids, {1: selected}) if segment_ids.shape[-1] else segment_ids
 
     return MaskOperands(masks.alibi_slopes, count(masks.q_counts, call.q_slots),
                         count(masks.kv_counts, call.kv_slots), rows(masks.q_segment_ids, q_rows),
                         rows(masks.kv_segment_ids, kv_rows))
 
 
+# Sub-blocks are read with lax.slice and written with lax.dynamic_update_slice at static offsets, never with
+# `x.at[...]`: a scatter over whole-axis slices carries an empty int32 index constant, which jax hoists into a
+# zero-size operand of the enclosing shard_map, and XLA's GPU Shardy partitioner (jax 0.11.2) segfaults on it.
+def _take(x: jax.Array, windows: dict[int, slice]) -> jax.Array:
+    """``x`` restricted to ``windows`` (axis -> static slice)."""
+    for axis, rows in windows.items():
+        x = lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)
+    return x
+
+
+def _add_into(x: jax.Array, windows: dict[int, slice], value: jax.Array) -> jax.Array:
+    """``x`` with ``value`` added to its ``windows`` sub-block."""
+    if all(rows.start == 0 and rows.stop == x.shape[axis] for axis, rows in windows.items()):
+        return x + value
+    starts = [windows[axis].start if axis in windows else 0 for axis in range(x.ndim)]
+    return lax.dynamic_update_slice(x, _take(x, windows) + value, starts)
+
+
+def _put_into(x: jax.Array, windows: dict[int, slice], value: jax.Array) -> jax.Array:
+    """``x`` with its ``windows`` sub-block replaced by ``value``."""
+    if all(rows.start == 0 and rows.stop == x.shape[axis] for axis, rows in windows.items()):
+        return value.astype(x.dtype)
+    return lax.dynamic_update_slice(x, value.astype(x.dtype), [windows[axis].start if axis in windows else 0
+                                                             for axis in range(x.ndim)])
+
+
 def _call_dense(dense: DenseOperands, q_rows: slice, kv_rows: slice) -> DenseOperands:
     """The call's rows and columns of a block's bias and mask (broadcast axes and absent operands as they are)."""
     def cut(x: jax.Array) -> jax.Array:
-        return x[_dense_index(x.shape, q_rows, kv_rows)] if x.shape[-1] else x
+        return _take(x, _dense_windows(x.shape, q_rows, kv_rows)) if x.shape[-1] else x
 
     return dense._replace(bias=cut(dense.bias), mask=cut(dense.mask))
 
 
-def _dense_index(shape: tuple[int, ...], q_rows: slice, kv_rows: slice) -> tuple[slice, ...]:
-    every = slice(None)
-    return (every, every, q_rows if shape[2] != 1 else every, kv_rows if shape[3] != 1 else every)
+def _dense_windows(shape: tuple[int, ...], q_rows: slice, kv_rows: slice) -> dict[int, slice]:
+    """The query-row and key-column windows of a ``[B|1, H|1, Sq|1, Sk|1]`` operand (none on broadcast axes)."""
+    windows = {}
+    if shape[2] != 1:
+        windows[2] = q_rows
+    if shape[3] != 1:
+        windows[3] = kv_rows
+    return windows
 
 
 def _key_width(spec: RingSpec) -> int:
@@ -173,13 +204,14 @@ def _block_forward(plan: BlockPlan, spec: RingSpec, q: jax.Array, k: jax.Array, 
     for call in plan:
         q_rows = _rows(call.q_slots, spec.q_layout.chunk_len)
         kv_rows = _rows(call.kv_slots, spec.kv_layout.chunk_len)
-        o_call, lse_call = _ffi_calls.forward(q[:, q_rows], k[:, kv_rows], v[:, kv_rows],
+        rows, lse_rows, cols = {1: q_rows}, {2: q_rows}, {1: kv_rows}
+        o_call, lse_call = _ffi_calls.forward(_take(q, rows), _take(k, cols), _take(v, cols),
                                               _call_masks(masks, call, q_rows, kv_rows),
                                               _call_config(spec.config, call),
                                               _call_dense(dense, q_rows, kv_rows))
-        o_rows, lse_rows = _merge(o_acc[:, q_rows], lse_acc[:, :, q_rows], o_call, lse_call)
-        o_acc = o_acc.at[:, q_rows].set(o_rows)
-        lse_acc = lse_acc.at[:, :, q_rows].set(lse_rows)
+        o_new, lse_new = _merge(_take(o_acc, rows), _take(lse_acc, lse_rows), o_call, lse_call)
+        o_acc = _put_into(o_acc, rows, o_new)
+        lse_acc = _put_into(lse_acc, lse_rows, lse_new)
     return o_acc, lse_acc
 
 
@@ -194,15 +226,16 @@ def _block_backward(plan: BlockPlan, spec: RingSpec, want_dbias: bool, q: jax.Ar
     for call in plan:
         q_rows = _rows(call.q_slots, spec.q_layout.chunk_len)
         kv_rows = _rows(call.kv_slots, spec.kv_layout.chunk_len)
+        rows, lse_rows, cols = {1: q_rows}, {2: q_rows}, {1: kv_rows}
         grads = _ffi_calls.backward(
-            q[:, q_rows], k[:, kv_rows], v[:, kv_rows], o[:, q_rows], lse[:, :, q_rows], d_o[:, q_rows],
-            d_lse[:, :, q_rows], _call_masks(masks, call, q_rows, kv_rows), _call_config(spec.config, call),
+            _take(q, rows), _take(k, cols), _take(v, cols), _take(o, rows), _take(lse, lse_rows), _take(d_o, rows),
+            _take(d_lse, lse_rows), _call_masks(masks, call, q_rows, kv_rows), _call_config(spec.config, call),
             _call_dense(dense, q_rows, kv_rows), want_dbias=want_dbias)
-        dq_acc = dq_acc.at[:, q_rows].add(grads[0].astype(jnp.float32))
-        dk = dk.at[:, kv_rows].add(grads[1].astype(jnp.float32))
-        dv = dv.at[:, kv_rows].add(grads[2].astype(jnp.float32))
+        dq_acc = _add_into(dq_acc, rows, grads[0].astype(jnp.float32))
+        dk = _add_into(dk, cols, grads[1].astype(jnp.float32))
+        dv = _add_into(dv, cols, grads[2].astype(jnp.float32))
         if want_dbias:
-            dbias = dbias.at[_dense_index(dbias.shape, q_rows, kv_rows)].add(grads[3])
+            dbias = _add_into(dbias, _dense_windows(dbias.shape, q_rows, kv_rows), grads[3])
     return (dq_acc, dk, dv, dbias) if want_dbias else (dq_acc, dk, dv)
 
 

@@ -8,6 +8,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _ring, _validation
@@ -36,22 +37,38 @@ def _spec(call: _RingCall, q: jax.Array, k: jax.Array, masks: MaskOperands) -> _
     return spec
 
 
+# Absent mask operands (zero-size arrays) never cross the custom_vjp boundary: as residuals they would become
+# zero-size operands of the backward shard_map, on which XLA's GPU Shardy partitioner (jax 0.11.2) segfaults.
+# They are passed as None and rebuilt where needed.
+_MASK_DTYPES = MaskOperands(jnp.float32, jnp.int32, jnp.int32, jnp.int32, jnp.int32)
+
+
+def _present(masks: MaskOperands) -> MaskOperands:
+    return MaskOperands(*(x if x.size else None for x in masks))
+
+
+def _complete(masks: MaskOperands, batch: int) -> MaskOperands:
+    return MaskOperands(*(jnp.zeros((batch, 0), dtype) if x is None else x for x, dtype in zip(masks, _MASK_DTYPES)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring_flash(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
+def _ring_flash(q: jax.Array, k: jax.Array, v: jax.Array, present: MaskOperands,
                 call: _RingCall) -> tuple[jax.Array, jax.Array]:
-    return _ring.ring_forward(q, k, v, masks, _spec(call, q, k, masks), call.axis_name)
+    return _ring_flash_forward(q, k, v, present, call)[0]
 
 
-def _ring_flash_forward(q, k, v, masks, call):
+def _ring_flash_forward(q, k, v, present, call):
+    masks = _complete(present, q.shape[0])
     o, lse = _ring.ring_forward(q, k, v, masks, _spec(call, q, k, masks), call.axis_name)
-    return (o, lse), (q, k, v, masks, o, lse)
+    return (o, lse), (q, k, v, present, o, lse)
 
 
 def _ring_flash_backward(call, residuals, cotangents):
-    q, k, v, masks, o, lse = residuals
+    q, k, v, present, o, lse = residuals
+    masks = _complete(present, q.shape[0])
     d_o, d_lse = cotangents
     dq, dk, dv = _ring.ring_backward(q, k, v, o, lse, d_o, d_lse, masks, _spec(call, q, k, masks), call.axis_name)
-    return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, masks)
+    return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, present)
 
 
 _ring_flash.defvjp(_ring_flash_forward, _ring_flash_backward)
@@ -133,7 +150,7 @@ def ring_attention(
     )
     masks = _validation.mask_operands(q, k, alibi_slopes=alibi_slopes, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    o, lse = _ring_flash(q, k, v, masks, _RingCall(config, layout, axis_name))
+    o, lse = _ring_flash(q, k, v, _present(masks), _RingCall(config, layout, axis_name))
     if _validation.static_bool("return_lse", return_lse):
         return o, lse
     return o
