@@ -6,7 +6,8 @@
 // Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
 // runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
 // their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
-// Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first.
+// Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
+// longest row blocks first across all (batch, head) slices.
 #pragma once
 
 #include <cmath>
@@ -46,16 +47,26 @@ struct RowBlock {
 
 template <class Traits>
 __device__ RowBlock locate_row_block(const AttentionParams& p) {
-  const int num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, Traits::kBlockM));
-  const sm80::BlockCoord cta = sm80::decode_block_coord(num_m_blocks, p.heads_q);
+  const int64_t num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  const int64_t slices = p.heads_q * p.batch;
+  int64_t block, slice;
+  if (p.causal) {
+    // Work grows with the row block: the row block is the slowest index of blockIdx.x, so every slice's longest
+    // block runs in the first waves and the short ones fill the tail of the grid.
+    block = blockIdx.x / slices;
+    slice = blockIdx.x % slices;
+  } else {
+    // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
+    block = blockIdx.x % num_m_blocks;
+    slice = blockIdx.x / num_m_blocks;
+  }
   RowBlock rb;
-  rb.batch = cta.batch;
-  rb.head = cta.head;
-  rb.head_kv = cta.head / (p.heads_q / p.heads_kv);
-  // Longest causal row blocks first, so the short ones fill the tail of the grid.
-  rb.m0 = int64_t(num_m_blocks - 1 - cta.block) * Traits::kBlockM;
+  rb.batch = slice / p.heads_q;
+  rb.head = slice % p.heads_q;
+  rb.head_kv = rb.head / (p.heads_q / p.heads_kv);
+  rb.m0 = (num_m_blocks - 1 - block) * Traits::kBlockM;
   rb.rows_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - rb.m0));
-  rb.mask = make_slice_mask(p, cta.batch, cta.head);
+  rb.mask = make_slice_mask(p, rb.batch, rb.head);
   rb.key_tiles = key_tiles_for_rows(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
   rb.interior = fully_visible_key_tiles(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
   return rb;
