@@ -6,6 +6,8 @@ backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls after war
 backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
+      [--impls jax_flash_sm90 cudnn] [--forward-only]
+jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md).
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
 --memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
@@ -24,7 +26,8 @@ import time
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TOKENS = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
-IMPLEMENTATIONS = ("jax_flash_sm80", "cudnn", "xla")
+IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
+KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
 
 
 def attention_fn(implementation: str, causal: bool):
@@ -32,7 +35,7 @@ def attention_fn(implementation: str, causal: bool):
 
     import jax_flash
 
-    if implementation == "jax_flash_sm80":
+    if implementation in KERNEL_FAMILY:
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
@@ -51,7 +54,22 @@ def median_seconds(fn, args, reps: int) -> float:
     return sorted(trials)[1]
 
 
-def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int) -> dict:
+def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int,
+            forward_only: bool = False) -> dict:
+    """One cell; the kernel-family variable is read at every call, so it is set for the whole measurement."""
+    previous = os.environ.get("JAX_FLASH_CUDA_KERNEL")
+    if implementation in KERNEL_FAMILY:
+        os.environ["JAX_FLASH_CUDA_KERNEL"] = KERNEL_FAMILY[implementation]
+    try:
+        return _measure(implementation, head_dim, seqlen, causal, reps, forward_only)
+    finally:
+        if previous is None:
+            os.environ.pop("JAX_FLASH_CUDA_KERNEL", None)
+        else:
+            os.environ["JAX_FLASH_CUDA_KERNEL"] = previous
+
+
+def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int, forward_only: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -66,6 +84,8 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
     try:
         forward = jax.jit(attend)
         row["fwd_tflops"] = flops / median_seconds(forward, (q, k, v), reps) / 1e12
+        if forward_only:
+            return row
         _, vjp = jax.vjp(attend, q, k, v)
         backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
         row["bwd_tflops"] = 2.5 * flops / median_seconds(backward, (vjp, d_o), reps) / 1e12
@@ -76,6 +96,8 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
 
 def peak_memory_child(implementation: str, seqlen: int) -> dict:
     """In a fresh process: forward + backward at [1, seqlen, 16, 128]; peak device bytes."""
+    if implementation in KERNEL_FAMILY:
+        os.environ["JAX_FLASH_CUDA_KERNEL"] = KERNEL_FAMILY[implementation]
     import jax
     import jax.numpy as jnp
 
@@ -151,6 +173,7 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--forward-only", action="store_true", help="skip the backward timings")
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
     parser.add_argument("--out-dir", default=RESULTS_DIR)
@@ -167,7 +190,7 @@ def main() -> None:
         for causal in (False, True):
             for seqlen in args.seqlens:
                 for implementation in args.impls:
-                    rows.append(measure(implementation, head_dim, seqlen, causal, args.reps))
+                    rows.append(measure(implementation, head_dim, seqlen, causal, args.reps, args.forward_only))
                     r = rows[-1]
                     fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
                     bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
@@ -200,13 +223,13 @@ def print_ratio_table(rows: list[dict]) -> None:
 
     print("ratio to cuDNN (fwd / bwd):")
     for r in rows:
-        if r["impl"] != "jax_flash_sm80":
+        if r["impl"] not in KERNEL_FAMILY:
             continue
         ref = lookup("cudnn", r)
         if ref is None:
             continue
         ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
-        print(f"  d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
+        print(f"  {r['impl']:15s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
               f"{ratio('fwd_tflops')} / {ratio('bwd_tflops')}")
 
 

@@ -42,6 +42,24 @@ def _on(device, *arrays):
     return [jax.device_put(a, device) for a in arrays]
 
 
+# Forward kernel families (csrc/cuda/README.md): the forward tests run through each one, forced by
+# JAX_FLASH_CUDA_KERNEL (read by the C++ dispatcher at every call). sm90 runs only on compute capability 9.x and
+# where its TMA loads apply (head_dim a multiple of 8); elsewhere the automatic choice is sm80, tested as such.
+FORWARD_KERNELS = ("sm80", "sm90")
+
+
+def _is_hopper():
+    return bool(GPUS) and str(getattr(GPUS[0], "compute_capability", "")).startswith("9")
+
+
+def use_forward_kernel(monkeypatch, kernel: str, head_dim: int):
+    if kernel == "sm90" and not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    if kernel == "sm90" and head_dim % 8 != 0:
+        pytest.skip("the sm90 kernel needs head_dim % 8 == 0 (TMA); such calls run on sm80")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
+
+
 def check_forward_on_gpu(case: Case, **kwargs):
     q, k, v = case.inputs()
     kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
@@ -57,11 +75,13 @@ def check_forward_on_gpu(case: Case, **kwargs):
     assert max_error(lse, lse_cpu) <= 1e-3 * max(1.0, float(np.nanmax(np.abs(np.where(np.isinf(lse_ref), 0, lse_ref)))))
 
 
+@pytest.mark.parametrize("kernel", FORWARD_KERNELS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256, 7, 40, 100))
 @pytest.mark.parametrize("seqlens", ((1, 1), (17, 17), (128, 128), (1000, 1000), (17, 300), (300, 17), (1, 1000)),
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_forward_shapes(dtype, head_dim, seqlens):
+def test_forward_shapes(dtype, head_dim, seqlens, kernel, monkeypatch):
+    use_forward_kernel(monkeypatch, kernel, head_dim)
     case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, seed=head_dim)
     check_forward_on_gpu(case, causal=(seqlens[0] + head_dim) % 2 == 0)
 
@@ -70,10 +90,42 @@ def test_forward_shapes(dtype, head_dim, seqlens):
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("seqlens", ((33, 33), (40, 300), (300, 40)), ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("heads", ((4, 4), (8, 2), (4, 1)), ids=("mha", "gqa", "mqa"))
-def test_forward_features(feature, dtype, seqlens, heads):
+@pytest.mark.parametrize("kernel", FORWARD_KERNELS)
+def test_forward_features(feature, dtype, seqlens, heads, kernel, monkeypatch):
+    use_forward_kernel(monkeypatch, kernel, 64)
     case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1], head_dim=64,
                 dtype=dtype, seed=len(feature))
     check_forward_on_gpu(case, **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("feature", ("causal", "everything"))
+def test_forward_sm90_long_sequences(feature, monkeypatch):
+    """Many key tiles through the sm90 pipeline (stages wrap around several times), GQA, ragged lengths."""
+    use_forward_kernel(monkeypatch, "sm90", 128)
+    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
+                seed=11)
+    check_forward_on_gpu(case, **feature_kwargs(feature, case))
+
+
+def test_automatic_forward_kernel_is_sm90_on_hopper(monkeypatch):
+    """On a 9.x GPU the default forward is bit-identical to the forced sm90 kernel (both deterministic)."""
+    if not _is_hopper():
+        pytest.skip("needs a compute capability 9.x GPU")
+    q, k, v = _on(GPUS[0], *Case(seqlen_q=300, seqlen_k=300, head_dim=128, dtype=jnp.bfloat16).inputs())
+    outputs = {}
+    for kernel in ("auto", "sm90"):
+        monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
+        outputs[kernel] = np.asarray(jax_flash.attention(q, k, v, causal=True).astype(jnp.float32))
+    np.testing.assert_array_equal(outputs["auto"], outputs["sm90"])
+
+
+def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
+    if not _is_hopper():
+        pytest.skip("needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", "sm90")
+    q, k, v = _on(GPUS[0], *Case(head_dim=7, dtype=jnp.bfloat16).inputs())
+    with pytest.raises(Exception, match="sm90"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
 def check_gradients_on_gpu(case: Case, deterministic=False, **kwargs):

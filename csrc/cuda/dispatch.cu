@@ -4,15 +4,25 @@
 // that is at least as large, its extra columns zero-filled on load and never stored.
 #include <cutlass/numeric_types.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "launch.h"
 #include "sm80/launchers.h"
+#include "sm90/launchers.h"
 
 #if __has_include("built_head_dims.h")
 #include "built_head_dims.h"
 #else
 #define JAX_FLASH_CUDA_HEAD_DIM_LIST 32, 64, 96, 128, 192, 256
+#endif
+#if __has_include("built_sm90_head_dims.h")
+#include "built_sm90_head_dims.h"
+#endif
+#ifndef JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST
+#define JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST  // no sm_90a kernels in this build
 #endif
 
 namespace jax_flash::cuda {
@@ -78,11 +88,108 @@ std::string with_head_dim(int head_dim, Launch&& launch) {
   return result;
 }
 
+// ---- Forward kernel family: the Hopper kernel (sm90/) on compute capability 9.x where it applies, else the
+// FA2-class kernel (sm80/). JAX_FLASH_CUDA_KERNEL=sm80|sm90 (read at every call) forces one, for testing.
+
+constexpr int kSm90HeadDims[] = {0 JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST};  // leading 0: the list may be empty
+
+// Smallest built sm90 head dim >= head_dim, or 0.
+int sm90_head_dim(int64_t head_dim) {
+  int best = 0;
+  for (int d : kSm90HeadDims) {
+    if (d >= head_dim && d > 0 && (best == 0 || d < best)) best = d;
+  }
+  return best;
+}
+
+// Compute capability major of the current device, cached per device id.
+int current_device_major() {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mutex;
+  static int majors[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device < 0 || device >= kMaxDevices) return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (majors[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+    majors[device] = major;
+  }
+  return majors[device];
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Empty when the sm90 forward kernel can run this call, else why not.
+std::string sm90_forward_refusal(const AttentionParams& p) {
+  if (sm90_head_dim(p.head_dim) == 0) return "this build has no sm_90a kernel for head_dim " + std::to_string(p.head_dim);
+  if (current_device_major() != 9) return "the device is not compute capability 9.x";
+  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f) {
+    return "bias, mask and dropout run on the sm80 kernel only";
+  }
+  // TMA: 16-byte aligned base addresses and row strides.
+  if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) {
+    return "q, k, v and o must be 16-byte aligned";
+  }
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
+  if (p.seqlen_k == 0) return "seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)";
+  return {};
+}
+
+std::string use_sm90_forward(const AttentionParams& p, bool* use_sm90) {
+  const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL");
+  const std::string forced = env ? env : "";
+  if (forced == "sm80") {
+    *use_sm90 = false;
+    return {};
+  }
+  const std::string refusal = sm90_forward_refusal(p);
+  if (forced == "sm90") {
+    if (!refusal.empty()) return "JAX_FLASH_CUDA_KERNEL=sm90, but the sm90 kernel cannot run this call: " + refusal;
+    *use_sm90 = true;
+    return {};
+  }
+  if (!forced.empty() && forced != "auto") {
+    return "JAX_FLASH_CUDA_KERNEL must be sm80, sm90 or auto, not '" + forced + "'";
+  }
+  *use_sm90 = refusal.empty();
+  return {};
+}
+
+std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
+  const bool bf16 = p.element_type == ElementType::kBFloat16;
+  std::string result = "internal error: no sm90 kernel for head dim " + std::to_string(p.head_dim);
+  auto try_dim = [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    constexpr bool kBuilt = [] {
+      for (int d : kSm90HeadDims) {
+        if (d == kDim) return true;
+      }
+      return false;
+    }();
+    if constexpr (kBuilt) {
+      if (kDim == sm90_head_dim(p.head_dim)) {
+        result = bf16 ? sm90::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
+                      : sm90::launch_forward<kDim, cutlass::half_t>(p, stream);
+      }
+    }
+  };
+  try_dim(std::integral_constant<int, 64>{});
+  try_dim(std::integral_constant<int, 128>{});
+  try_dim(std::integral_constant<int, 256>{});
+  return result;
+}
+
 }  // namespace
 
 std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
   if (nothing_to_do(p)) return {};
+  bool use_sm90 = false;
+  if (std::string err = use_sm90_forward(p, &use_sm90); !err.empty()) return err;
+  if (use_sm90) return run_sm90_forward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;

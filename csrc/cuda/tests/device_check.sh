@@ -49,7 +49,8 @@ for stage in "$@"; do
     check) run check build/standalone_check ;;
     sanitize)
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 build/standalone_check --small
-      run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 build/standalone_check --small ;;
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 build/standalone_check --small
+      run synccheck compute-sanitizer --tool synccheck --error-exitcode 3 build/standalone_check --small ;;
     bench) run bench build/standalone_check --bench ;;
     # From outside the checkout, so that `import jax_flash` finds the installed package, not the source tree.
     pytest) (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false run pytest timeout ${PYTEST_TIMEOUT:-300} \

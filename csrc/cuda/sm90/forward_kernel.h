@@ -1,0 +1,317 @@
+// FlashAttention-3-style forward for sm_90a. One CTA owns kBlockM query rows of one (batch, head):
+//  - warpgroup 0 is the producer: it gives registers away (setmaxnreg) and one thread issues TMA loads of Q
+//    and of the visible key tiles into a kStages-deep K pipeline and V pipeline (mbarrier transaction counts);
+//  - each consumer warpgroup owns 64 of the rows: S = Q K^T by WGMMA from shared memory, the shared score
+//    pipeline, an online-softmax step, O += P V by WGMMA with P from registers.
+// Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
+// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
+// their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
+// Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
+// longest row blocks first across all (batch, head) slices.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/fragments.h"
+#include "../sm80/score_tile.h"
+#include "../sm80/tensor_offsets.h"
+#include "fragments.h"
+#include "kernel_traits.h"
+#include "online_softmax.h"
+
+namespace jax_flash::cuda::sm90 {
+
+using sm80::BshdShape;
+
+// Named barrier ids: pingpong turn of consumer g is kTurnBarrier + g; epilogue of consumer g kEpilogueBarrier + g.
+constexpr int kTurnBarrier = 1;
+constexpr int kEpilogueBarrier = 5;
+
+// Where one CTA's query tile lies and which key tiles it must visit; computed identically by every warpgroup.
+struct RowBlock {
+  int64_t batch;
+  int64_t head;
+  int64_t head_kv;
+  int64_t m0;           // first query row
+  int rows_in_bounds;   // rows of the tile that exist (< seqlen_q)
+  SliceMask mask;
+  TileSpan key_tiles;
+  TileSpan interior;    // tiles that need no per-element mask
+};
+
+template <class Traits>
+__device__ RowBlock locate_row_block(const AttentionParams& p) {
+  const int64_t num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  const int64_t slices = p.heads_q * p.batch;
+  int64_t block, slice;
+  if (p.causal) {
+    // Work grows with the row block: the row block is the slowest index of blockIdx.x, so every slice's longest
+    // block runs in the first waves and the short ones fill the tail of the grid.
+    block = blockIdx.x / slices;
+    slice = blockIdx.x % slices;
+  } else {
+    // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
+    block = blockIdx.x % num_m_blocks;
+    slice = blockIdx.x / num_m_blocks;
+  }
+  RowBlock rb;
+  rb.batch = slice / p.heads_q;
+  rb.head = slice % p.heads_q;
+  rb.head_kv = rb.head / (p.heads_q / p.heads_kv);
+  rb.m0 = (num_m_blocks - 1 - block) * Traits::kBlockM;
+  rb.rows_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - rb.m0));
+  rb.mask = make_slice_mask(p, rb.batch, rb.head);
+  rb.key_tiles = key_tiles_for_rows(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
+  rb.interior = fully_visible_key_tiles(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
+  return rb;
+}
+
+// Rows with nothing visible: O = 0, lse = -inf (head_dim is a multiple of 8 on this path: 16-byte stores).
+template <class Traits>
+__device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb) {
+  using T = typename Traits::Element;
+  const BshdShape q_shape = sm80::query_shape(p);
+  const int chunks_per_row = static_cast<int>(p.head_dim / 8);
+  for (int i = threadIdx.x; i < rb.rows_in_bounds * chunks_per_row; i += Traits::kThreads) {
+    const int row = i / chunks_per_row, chunk = i % chunks_per_row;
+    T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  float* lse = p.lse + sm80::row_stat_offset(p, rb.batch, rb.head, rb.m0);
+  for (int r = threadIdx.x; r < rb.rows_in_bounds; r += Traits::kThreads) lse[r] = -INFINITY;
+}
+
+// Producer: one thread issues every TMA load of the CTA.
+template <class Traits>
+__device__ void produce(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
+                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
+  using namespace cute;
+  const AttentionParams& p = args.p;
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
+  const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+  Tensor mQ = args.tma_q.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch);
+  Tensor mK = args.tma_k.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
+  Tensor mV = args.tma_v.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
+  const int m_block = static_cast<int>(rb.m0 / Traits::kBlockM);
+  Tensor gQ = local_tile(mQ, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mK, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
+  Tensor gV = local_tile(mV, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));
+
+  auto tma_q = args.tma_q.get_slice(0);
+  auto tma_k = args.tma_k.get_slice(0);
+  auto tma_v = args.tma_v.get_slice(0);
+  Tensor tQgQ = tma_q.partition_S(gQ);
+  Tensor tQsQ = tma_q.partition_D(sQ);
+  Tensor tKgK = tma_k.partition_S(gK);  // (TMA, TMA_N, TMA_D, n)
+  Tensor tKsK = tma_k.partition_D(sK);  // (TMA, TMA_N, TMA_D, stage)
+  Tensor tVgV = tma_v.partition_S(gV);
+  Tensor tVsV = tma_v.partition_D(sV);
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+    pipeline_k.producer_acquire(write);
+    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, _, _, n_block),
+         tKsK(_, _, _, write.index()));
+    pipeline_v.producer_acquire(write);
+    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, _, _, n_block),
+         tVsV(_, _, _, write.index()));
+    ++write;
+  }
+}
+
+// Consumer warpgroup `group` (0-based among consumers): its 64 rows through every key tile, then the epilogue.
+template <class Traits, bool kTransforms>
+__device__ void consume(const AttentionParams& p, const RowBlock& rb, typename Traits::SharedStorage& smem,
+                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v, int group) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kGroups = Traits::kConsumerGroups;
+  const int thread = threadIdx.x - 128;  // among all consumer threads
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+
+  typename Traits::TiledMmaS mma_s;
+  typename Traits::TiledMmaO mma_o;
+  auto thr_mma_s = mma_s.get_thread_slice(thread);
+  auto thr_mma_o = mma_o.get_thread_slice(thread);
+  Tensor frag_q = thr_mma_s.partition_fragment_A(sQ);   // smem descriptors
+  Tensor frag_k = thr_mma_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_vt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
+  clear(acc_o);
+  Tensor coords = sm80_view(thr_mma_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
+  OnlineSoftmax<kRows> softmax;
+  softmax.reset();
+  const float to_log2 = sm80::ScoreTile<kTransforms>::to_log2(p);
+
+  // Pingpong: a consumer issues GEMMs only on its turn, then hands the turn to the next consumer.
+  const int last_group = kGroups - 1;
+  auto wait_turn = [&] {
+    if constexpr (kGroups > 1) named_barrier_sync(kTurnBarrier + group, 2 * 128);
+  };
+  auto pass_turn = [&](bool final_round) {
+    // The last consumer's final hand-over would have no taker.
+    if constexpr (kGroups > 1) {
+      if (!(final_round && group == last_group)) named_barrier_arrive(kTurnBarrier + (group + 1) % kGroups, 2 * 128);
+    }
+  };
+  static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
+
+  // Scores of tile n_block in place: raw dots -> masked / transformed scores.
+  auto score = [&](auto& acc_s, int n_block) {
+    auto view = sm80_view(acc_s);
+    const auto scorer = sm80::ScoreTile<kTransforms>::make(p, rb.batch, rb.head);
+    if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
+      scorer.template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
+    } else {
+      scorer.template apply<true>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
+    }
+  };
+
+  typename Traits::PipelineState read;  // K and V advance in lock step
+  cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
+  if (group == last_group && kGroups > 1) named_barrier_arrive(kTurnBarrier, 2 * 128);  // consumer 0 goes first
+
+  // First tile: S only.
+  int n_block = rb.key_tiles.end - 1;
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  wait_turn();
+  pipeline_k.consumer_wait(read);
+  issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
+  pass_turn(false);
+  warpgroup_wait<0>();
+  pipeline_k.consumer_release(read);
+  score(acc_s, n_block);
+  float correction[kRows];
+  softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
+  Tensor probs = make_tensor_like<T>(acc_s);
+  auto convert_probs = [&] {
+    Tensor converted = sm80::converted<T>(acc_s);
+    CUTE_UNROLL
+    for (int i = 0; i < size(probs); ++i) probs(i) = converted(i);
+  };
+  convert_probs();
+  Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
+  typename Traits::PipelineState previous = read;
+  ++read;
+
+  // Steady state: S of tile n with P V of tile n + 1 (the previous one) in flight.
+  for (--n_block; n_block >= rb.key_tiles.begin; --n_block) {
+    wait_turn();
+    pipeline_k.consumer_wait(read);
+    issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
+    pipeline_v.consumer_wait(previous);
+    issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
+    pass_turn(false);
+    warpgroup_wait<1>();  // S is ready; P V may still run
+    pipeline_k.consumer_release(read);
+    score(acc_s, n_block);
+    softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
+    warpgroup_wait<0>();  // P V retired: its V stage and the probability registers are free
+    pipeline_v.consumer_release(previous);
+    softmax.rescale(sm80::as_rows_cols(sm80_view(acc_o)), correction);
+    convert_probs();
+    previous = read;
+    ++read;
+  }
+
+  // Last P V.
+  wait_turn();
+  pipeline_v.consumer_wait(previous);
+  issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
+  pass_turn(true);
+  warpgroup_wait<0>();
+  pipeline_v.consumer_release(previous);
+
+  // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of Q's buffer (its Q K^T GEMMs have
+  // retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane per quad.
+  float lse[kRows];
+  softmax.finalize(sm80::as_rows_cols(sm80_view(acc_o)), to_log2, lse);
+  Tensor out_frag = sm80::converted<T>(acc_o);
+  Tensor sO = sQ;
+  Tensor frag_so = thr_mma_o.partition_C(sO);
+  copy(out_frag, frag_so);
+  named_barrier_sync(kEpilogueBarrier + group, 128);
+
+  const BshdShape q_shape = sm80::query_shape(p);
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  const int thread_in_group = thread % 128;
+  CUTE_UNROLL
+  for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
+    const int row = group * 64 + i / kChunksPerRow, chunk = i % kChunksPerRow;
+    if (row < rb.rows_in_bounds && chunk < chunks_in_bounds) {
+      T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(row, chunk * 8));
+    }
+  }
+  if (threadIdx.x % 4 == 0) {
+    float* lse_out = p.lse + sm80::row_stat_offset(p, rb.batch, rb.head, rb.m0);
+    auto row_coords = sm80::as_rows_cols(coords);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(row_coords(r, 0));
+      if (row < rb.rows_in_bounds) lse_out[row] = lse[r];
+    }
+  }
+}
+
+template <class Traits, bool kTransforms>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    forward_kernel(const __grid_constant__ ForwardArgs<Traits> args) {
+  using namespace cute;
+  extern __shared__ __align__(1024) char smem_bytes[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+  const AttentionParams& p = args.p;
+
+  const RowBlock rb = locate_row_block<Traits>(p);
+  if (rb.key_tiles.empty()) {
+    store_empty_rows<Traits>(p, rb);
+    return;
+  }
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
+  }
+  typename Traits::Pipeline::Params params;
+  params.role = warp_group == 0 ? Traits::Pipeline::ThreadCategory::Producer
+                                : Traits::Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = Traits::kConsumerThreads;
+  params.transaction_bytes = Traits::kKVStageBytes;
+  typename Traits::Pipeline pipeline_k(smem.pipeline_k, params, Shape<_1, _1, _1>{});
+  typename Traits::Pipeline pipeline_v(smem.pipeline_v, params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread before any use
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x == 0) produce<Traits>(args, rb, smem, pipeline_k, pipeline_v);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume<Traits, kTransforms>(p, rb, smem, pipeline_k, pipeline_v, warp_group - 1);
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90

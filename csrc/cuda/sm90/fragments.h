@@ -1,0 +1,65 @@
+// Register-fragment views of WGMMA accumulators and the warpgroup GEMM issue sequence.
+// A 64xN fp32 accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N): per thread 2 adjacent columns, in 2 rows
+// 8 apart, repeated every 8 columns. That is the sm80 m16n8 pattern with the n8 tiles in the value mode, so the
+// sm80 score pipeline and row reductions (a row lives in one quad of lanes) apply once the n8 tiles move out.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+namespace jax_flash::cuda::sm90 {
+
+using namespace cute;
+
+// ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2), MMA_M, (N/8, MMA_N)): the sm80 accumulator shape (sm80/fragments.h).
+template <class AccLayout>
+__device__ constexpr auto as_sm80_accumulator(AccLayout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc)), get<1>(acc),
+                     make_layout(get<0, 2>(acc), get<2>(acc)));
+}
+
+template <class Tensor>
+__device__ auto sm80_view(Tensor&& t) {
+  return make_tensor(t.data(), as_sm80_accumulator(t.layout()));
+}
+
+// ((2, 2, N/8), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, N/16 * MMA_N): the register A operand of a
+// 64xKx16 RS WGMMA, whose k16 slice is two adjacent n8 column groups of the accumulator.
+template <class AccLayout>
+__device__ constexpr auto accumulator_as_operand_a(AccLayout acc) {
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0);
+  auto n8 = logical_divide(get<0, 2>(acc), Shape<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(n8)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(n8), get<2>(acc))));
+}
+
+// Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
+// warpgroup_wait<N>() (N = batches allowed to stay in flight). kZeroInit overwrites acc instead of adding.
+template <bool kZeroInit, class TiledMma, class A, class B, class Acc>
+__device__ __forceinline__ void issue_wgmma(TiledMma& mma, A& a, B const& b, Acc& acc) {
+  // A from registers (P) rather than a shared-memory descriptor: its registers must be fenced too.
+  constexpr bool kRegisterA =
+      std::is_same_v<std::remove_cv_t<typename A::value_type>, typename TiledMma::ValTypeA>;
+  if constexpr (kRegisterA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+  if constexpr (kRegisterA) warpgroup_fence_operand(a);
+}
+
+// Named barriers (id 0 is __syncthreads). Counts are in threads and must be multiples of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace jax_flash::cuda::sm90

@@ -1,0 +1,121 @@
+// Every compile-time choice of the Hopper (sm_90a) forward kernel, from one tile table keyed by head dim.
+// A CTA is one producer warpgroup (TMA loads) and kConsumerGroups consumer warpgroups (WGMMA + softmax), each
+// consumer owning 64 consecutive query rows of the CTA's kBlockM-row tile. bf16 and fp16 share tiles.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../../common/attention_params.h"
+
+namespace jax_flash::cuda::sm90 {
+
+struct ForwardTile {
+  int block_m;  // query rows per CTA: 64 per consumer warpgroup
+  int block_n;  // keys per pipeline stage (the N of Q K^T and the K of P V)
+  int stages;   // K and V shared-memory buffers each
+};
+
+// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200.
+// Register budget per consumer thread (240 after setmaxnreg): O is head_dim / 2 floats, S and the next S are
+// block_n / 2 floats each, P block_n / 4 registers.
+constexpr ForwardTile forward_tile(int head_dim) {
+  switch (head_dim) {
+    case 64: return {128, 128, 3};   //  16 + 96 = 112 KiB
+    case 128: return {128, 128, 2};  //  32 + 128 = 160 KiB
+    default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB; O alone is 128 registers per thread
+  }
+}
+
+constexpr bool has_sm90_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+using namespace cute;
+
+// K-major GMMA shared-memory atom: the widest swizzle whose row (64/32/16 16-bit elements) divides the width.
+template <class Element, int kCols>
+constexpr auto k_major_smem_atom() {
+  if constexpr (kCols % 64 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kCols % 32 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
+template <int kHeadDim_, class Element_>
+struct ForwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumerGroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = kConsumerGroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
+
+  using BlockMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T
+  using BlockMKN = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V
+  using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;   // consumer warpgroups stacked along M
+  // Both operands of Q K^T from shared memory; P V takes P from registers and V^T (MN-major) from smem.
+  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, BlockMNK>(),
+                                            GroupLayout{}));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, BlockMKN, GMMA::Major::K, GMMA::Major::MN>(), GroupLayout{}));
+
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // also stages O
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T: the same bytes as [head_dim, block_n, stage], i.e. an MN-major B operand for P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+    alignas(8) uint64_t q_full;  // transaction barrier of the one Q load
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024);
+
+  // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch) over the contiguous BSHD arrays.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{},
+                                          GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+};
+
+// Kernel arguments: the plain parameters plus the three TMA descriptors (built on the host per call).
+template <class Traits>
+struct ForwardArgs {
+  AttentionParams p;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
+}  // namespace jax_flash::cuda::sm90

@@ -1,0 +1,19 @@
+// Declarations of the Hopper (sm_90a) launchers; each (head dim, element type) is defined by its own generated
+// translation unit in instantiations/, compiled only when the build targets sm_90a.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "../../common/attention_params.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Head dims with an sm90 forward tile (kernel_traits.h forward_tile).
+constexpr int kForwardHeadDims[] = {64, 128, 256};
+
+template <int kHeadDim, class Element>
+std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace jax_flash::cuda::sm90

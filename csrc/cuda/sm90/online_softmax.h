@@ -1,0 +1,78 @@
+// Streaming softmax for the Hopper kernel, split in two so that a warpgroup can exponentiate the scores of key
+// tile n while its P V GEMM of tile n-1 still runs: step() turns a score tile into unnormalised probabilities
+// and returns each row's correction factor; rescale() applies those factors to O once that GEMM has retired.
+// Same arithmetic as sm80::OnlineSoftmax (rows whose scores are all -inf so far use 0 as their reference).
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "../sm80/fragments.h"
+#include "../sm80/score_tile.h"
+
+namespace jax_flash::cuda::sm90 {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];  // this thread's columns only; the quad's total is formed once, in finalize()
+
+  __device__ void reset() {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.0f;
+    }
+  }
+
+  // scores: rows x cols view, overwritten with exp2((s - max) * to_log2).
+  template <class Scores>
+  __device__ __forceinline__ void step(Scores&& scores, float to_log2, float (&correction)[kRows]) {
+    static_assert(decltype(cute::size<0>(scores))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float tile_max = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(scores); ++c) tile_max = fmaxf(tile_max, scores(r, c));
+      tile_max = sm80::quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
+      const float reference = tile_max == -INFINITY ? 0.0f : tile_max;
+      correction[r] = sm80::fast_exp2((row_max[r] - reference) * to_log2);
+      row_max[r] = tile_max;
+      const float reference_log2 = reference * to_log2;
+      float sum = 0.0f;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(scores); ++c) {
+        const float p = sm80::fast_exp2(scores(r, c) * to_log2 - reference_log2);
+        scores(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  }
+
+  template <class Out>
+  __device__ __forceinline__ void rescale(Out&& out, const float (&correction)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= correction[r];
+    }
+  }
+
+  // Normalises O and returns each row's natural-log log-sum-exp (-inf, with O exactly 0, for a row that saw no
+  // visible key).
+  template <class Out>
+  __device__ void finalize(Out&& out, float to_log2, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = sm80::quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
+      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= inv_sum;
+      lse[r] = sum > 0.0f ? (row_max[r] * to_log2 + log2f(sum)) * sm80::kLn2 : -INFINITY;
+    }
+  }
+};
+
+}  // namespace jax_flash::cuda::sm90
