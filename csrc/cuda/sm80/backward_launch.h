@@ -85,6 +85,7 @@ std::string launch_dbias(const AttentionBackwardParams& p, bool vectorized, Dbia
 
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  if (std::string err = check_dense_strides(p); !err.empty()) return err;
   const bool vectorized = backward_rows_are_16b_aligned(p);
   const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
   const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);

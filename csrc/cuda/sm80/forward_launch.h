@@ -14,6 +14,7 @@ namespace jax_flash::cuda::sm80 {
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   using Traits = ForwardTraits<kHeadDim, Element>;
+  if (std::string err = check_dense_strides(p); !err.empty()) return err;
   constexpr int kSmemBytes =
       (Traits::kQElems + 2 * Traits::kStages * Traits::kKVElems) * int(sizeof(Element));
   auto kernel = needs_general_variant(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;

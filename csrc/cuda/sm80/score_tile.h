@@ -155,8 +155,8 @@ struct SliceDropout {
 
 // Keep bits of the kElems elements of a thread's accumulator tile: bit i % 32 of bits[i / 32] for element i.
 // The Philox rounds run in a loop that is deliberately not unrolled (unrolled per element they would bloat the
-// kernel and evict the accumulators from registers); a thread's elements come in adjacent column pairs, and a
-// pair inside one aligned group of four shares its Philox call.
+// kernel and evict the accumulators from registers); a thread's elements come in pairs of adjacent columns, and
+// a pair inside one aligned group of four shares its Philox call.
 template <int kElems>
 struct KeepBits {
   static constexpr int kWords = (kElems + 31) / 32;
@@ -171,18 +171,12 @@ struct KeepBits {
       const int count = kElems - 32 * w < 32 ? kElems - 32 * w : 32;
 #pragma unroll 1
       for (int i = 0; i < count; i += 2) {
-        const auto coord = coords(w * 32 + i);  // element i + 1 is the next column of the same row
-        const uint64_t n = static_cast<uint64_t>((d.head_base + row0 + cute::get<0>(coord)) * d.seqlen_k + col0 +
-                                                 cute::get<1>(coord));
-        const uint64_t block = n >> 2;
-        PhiloxWords words = philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u,
-                                          0u, d.seed[0], d.seed[1]);
+        const uint64_t n = linear_index(d, coords(w * 32 + i), row0, col0);
+        const uint64_t n_next = linear_index(d, coords(w * 32 + i + 1), row0, col0);
+        PhiloxWords words = philox_block(d, n >> 2);
         const uint32_t first = words.w[n & 3];
-        if (((n + 1) & 3) == 0) {
-          words = philox4x32_10(static_cast<uint32_t>(block + 1), static_cast<uint32_t>((block + 1) >> 32), 0u, 0u,
-                                d.seed[0], d.seed[1]);
-        }
-        const uint32_t second = words.w[(n + 1) & 3];
+        if ((n_next >> 2) != (n >> 2)) words = philox_block(d, n_next >> 2);
+        const uint32_t second = words.w[n_next & 3];
         word |= (first >= d.threshold ? 1u : 0u) << i;
         word |= (second >= d.threshold ? 1u : 0u) << (i + 1);
       }
@@ -190,6 +184,15 @@ struct KeepBits {
     }
   }
   __device__ bool kept(int i) const { return (bits[i / 32] >> (i % 32)) & 1u; }
+
+  template <class Coord>
+  __device__ static uint64_t linear_index(const SliceDropout& d, Coord const& coord, int64_t row0, int64_t col0) {
+    return static_cast<uint64_t>((d.head_base + row0 + cute::get<0>(coord)) * d.seqlen_k + col0 + cute::get<1>(coord));
+  }
+  __device__ static PhiloxWords philox_block(const SliceDropout& d, uint64_t block) {
+    return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, 0u, d.seed[0],
+                         d.seed[1]);
+  }
 };
 
 }  // namespace jax_flash::cuda::sm80
