@@ -50,6 +50,8 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
     if implementation == "jax_flash_sm80":
         extra = {"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout" else {}
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra)
+    if mask is not None:  # jax.nn's cuDNN path wants the mask's query axis at full length (it becomes a bias)
+        mask = jax.numpy.broadcast_to(mask, (batch, 1, seqlen, seqlen))
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                                         implementation=implementation)
 
