@@ -8,6 +8,7 @@ backward is timed alone through a jitted VJP function.
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
       [--impls jax_flash_sm90 cudnn] [--forward-only]
 jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md).
+      [--features none padding_mask dropout]   (padding mask / dropout rows; see --help)
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
 --memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
@@ -30,14 +31,32 @@ IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
 KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
 
 
-def attention_fn(implementation: str, causal: bool):
+FEATURES = ("none", "padding_mask", "dropout")
+DROPOUT_RATE = 0.1
+
+
+def padding_mask(batch: int, seqlen: int):
+    """[batch, 1, 1, seqlen] key-padding mask: batch row b keeps its first seqlen * (1 - b / (2 * batch)) keys."""
+    import jax.numpy as jnp
+
+    lengths = seqlen - (seqlen * jnp.arange(batch)) // (2 * batch)
+    return (jnp.arange(seqlen)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def attention_fn(implementation: str, causal: bool, feature: str = "none", batch: int = 1, seqlen: int = 1):
+    """feature "dropout": jax.nn does not expose cuDNN's dropout, so cudnn/xla rows run without it."""
     import jax
 
     import jax_flash
 
+    mask = padding_mask(batch, seqlen) if feature == "padding_mask" else None
     if implementation in KERNEL_FAMILY:
-        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal)
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+        extra = {"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout" else {}
+        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra)
+    if mask is not None:  # jax.nn's cuDNN path wants the mask's query axis at full length (it becomes a bias)
+        mask = jax.numpy.broadcast_to(mask, (batch, 1, seqlen, seqlen))
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                                        implementation=implementation)
 
 
 def median_seconds(fn, args, reps: int) -> float:
@@ -55,13 +74,13 @@ def median_seconds(fn, args, reps: int) -> float:
 
 
 def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int,
-            forward_only: bool = False) -> dict:
+            forward_only: bool = False, feature: str = "none") -> dict:
     """One cell; the kernel-family variable is read at every call, so it is set for the whole measurement."""
     previous = os.environ.get("JAX_FLASH_CUDA_KERNEL")
     if implementation in KERNEL_FAMILY:
         os.environ["JAX_FLASH_CUDA_KERNEL"] = KERNEL_FAMILY[implementation]
     try:
-        return _measure(implementation, head_dim, seqlen, causal, reps, forward_only)
+        return _measure(implementation, head_dim, seqlen, causal, reps, forward_only, feature)
     finally:
         if previous is None:
             os.environ.pop("JAX_FLASH_CUDA_KERNEL", None)
@@ -69,7 +88,8 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
             os.environ["JAX_FLASH_CUDA_KERNEL"] = previous
 
 
-def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int, forward_only: bool) -> dict:
+def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int, forward_only: bool,
+             feature: str) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -77,10 +97,13 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
     keys = jax.random.split(jax.random.key(seqlen + head_dim), 4)
     shape = (batch, seqlen, heads, head_dim)
     q, k, v, d_o = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
-    attend = attention_fn(implementation, causal)
+    attend = attention_fn(implementation, causal, feature, batch, seqlen)
+    # FLOPs of the unmasked problem for every feature, so a padding mask shows up as time saved (or not).
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
     row = {"impl": implementation, "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads,
-           "causal": causal, "fwd_tflops": None, "bwd_tflops": None}
+           "causal": causal, "feature": feature, "fwd_tflops": None, "bwd_tflops": None}
+    if feature == "dropout" and implementation not in KERNEL_FAMILY:
+        row["note"] = "without dropout (jax.nn exposes no dropout)"
     try:
         forward = jax.jit(attend)
         row["fwd_tflops"] = flops / median_seconds(forward, (q, k, v), reps) / 1e12
@@ -153,7 +176,8 @@ def plot(rows: list[dict], path: str) -> None:
             for pass_index, key in enumerate(("fwd_tflops", "bwd_tflops")):
                 ax = axes[2 * causal_index + pass_index][col]
                 for implementation in IMPLEMENTATIONS:
-                    points = sorted((r["seqlen"], r[key]) for r in rows if r["impl"] == implementation
+                    points = sorted((r["seqlen"], r[key]) for r in rows
+                                    if r["impl"] == implementation and r.get("feature", "none") == "none"
                                     and r["head_dim"] == head_dim and r["causal"] == causal and r[key] is not None)
                     if points:
                         ax.plot(*zip(*points), marker="o", label=implementation)
@@ -174,6 +198,9 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--forward-only", action="store_true", help="skip the backward timings")
+    parser.add_argument("--features", nargs="+", default=["none"], choices=FEATURES,
+                        help="padding_mask: a [batch, 1, 1, seqlen] boolean key-padding mask on every implementation; "
+                             "dropout: rate 0.1 on jax_flash only (jax.nn has no dropout; the others run without)")
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
     parser.add_argument("--out-dir", default=RESULTS_DIR)
@@ -189,13 +216,16 @@ def main() -> None:
     for head_dim in args.head_dims:
         for causal in (False, True):
             for seqlen in args.seqlens:
-                for implementation in args.impls:
-                    rows.append(measure(implementation, head_dim, seqlen, causal, args.reps, args.forward_only))
-                    r = rows[-1]
-                    fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
-                    bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
-                    print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {implementation:15s} "
-                          f"fwd {fwd:>6s} bwd {bwd:>6s} {r.get('error', '')}", flush=True)
+                for feature in args.features:
+                    for implementation in args.impls:
+                        rows.append(measure(implementation, head_dim, seqlen, causal, args.reps, args.forward_only,
+                                            feature))
+                        r = rows[-1]
+                        fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
+                        bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
+                        print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {feature:12s} "
+                              f"{implementation:15s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
+                              f"{r.get('error', '')}", flush=True)
     memory = run_memory_benchmark(args.memory_seqlen) if args.memory else []
 
     gpu = jax.devices()[0].device_kind
@@ -217,7 +247,7 @@ def print_ratio_table(rows: list[dict]) -> None:
     def lookup(impl, r):
         for other in rows:
             if (other["impl"] == impl and other["head_dim"] == r["head_dim"] and other["seqlen"] == r["seqlen"]
-                    and other["causal"] == r["causal"]):
+                    and other["causal"] == r["causal"] and other.get("feature") == r.get("feature")):
                 return other
         return None
 
@@ -229,8 +259,9 @@ def print_ratio_table(rows: list[dict]) -> None:
         if ref is None:
             continue
         ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
-        print(f"  {r['impl']:15s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
-              f"{ratio('fwd_tflops')} / {ratio('bwd_tflops')}")
+        print(f"  {r['impl']:15s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d} "
+              f"{r.get('feature', 'none')}: {ratio('fwd_tflops')} / {ratio('bwd_tflops')}"
+              + (" (cuDNN without dropout)" if r.get("feature") == "dropout" else ""))
 
 
 if __name__ == "__main__":

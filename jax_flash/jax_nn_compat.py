@@ -52,7 +52,7 @@ def dot_product_attention(
       key: ``[batch, seqlen_k, heads_kv, head_dim]`` (or without batch), ``heads_q % heads_kv == 0``.
       value: like ``key``.
       bias: additive bias broadcastable to ``[batch, heads_q, seqlen_q, seqlen_k]`` (differentiable).
-      mask: boolean, broadcastable likewise; True attends. (The GPU kernels do not take bias or mask yet.)
+      mask: boolean, broadcastable likewise; True attends.
       scale: multiplies ``q·k``; defaults to ``1 / sqrt(head_dim)``.
       is_causal: top-left aligned causal mask.
       query_seq_lengths: ``[batch]`` int32 valid query lengths.

@@ -207,3 +207,160 @@ def test_float32_is_refused_clearly():
     q, k, v = _on(GPUS[0], *Case(dtype=jnp.float32).inputs())
     with pytest.raises(Exception, match="float32"):
         jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
+# ---- additive bias, boolean mask, dropout (the kernels' general variant) ------------------------------------
+
+from jax_flash import _dropout  # noqa: E402
+
+DENSE_CASE = Case(batch=2, seqlen_q=150, seqlen_k=203, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16,
+                  seed=11)
+# Full shape (dQ pass stores dbias), broadcast along batch / heads / query / everything (atomics, or the
+# deterministic dbias kernel), and key-broadcast shapes (whose dbias jax_flash forms outside the kernel).
+GPU_BIAS_SHAPES = [(2, 4, 150, 203), (4, 150, 203), (2, 1, 150, 203), (1, 4, 1, 203), (203,), (2, 1, 150, 1)]
+
+
+def _gpu_kwargs(kwargs):
+    return {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
+
+
+def _grads_with_bias(q, k, v, d_o, bias, implementation=None, **kwargs):
+    loss = lambda q_, k_, v_, b_: jnp.sum(
+        (jax_flash.attention(q_, k_, v_, bias=b_, implementation=implementation, **kwargs) * d_o).astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+
+def _oracle_grads_with_bias(q, k, v, d_o, bias, **kwargs):
+    with jax.enable_x64(True):
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias)]
+        weights = jnp.asarray(d_o, jnp.float64)
+        loss = lambda q_, k_, v_, b_: jnp.sum(
+            jax_flash.attention(q_, k_, v_, bias=b_, implementation="xla", **kwargs) * weights)
+        return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2, 3))(*args)]
+
+
+def check_bias_gradients_on_gpu(case: Case, bias, deterministic=False, **kwargs):
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32).astype(case.dtype)
+    _poison_gpu_memory()
+    ours = _grads_with_bias(*_on(GPUS[0], q, k, v, d_o, bias), deterministic=deterministic, **_gpu_kwargs(kwargs))
+    cpu = _grads_with_bias(*_on(CPU, q, k, v, d_o, bias), **kwargs)
+    xla = _grads_with_bias(*_on(CPU, q, k, v, d_o, bias), implementation="xla", **kwargs)
+    reference = _oracle_grads_with_bias(q, k, v, d_o, bias, **kwargs)
+    assert ours[3].shape == bias.shape and ours[3].dtype == jnp.float32
+    for name, g, g_cpu, g_xla, g_ref in zip(("dq", "dk", "dv", "dbias"), ours, cpu, xla, reference):
+        assert_within_bound(name, g, g_xla, g_ref, case.dtype, scale=4.0)
+        assert_within_bound(name + " vs CPU", g, g_xla, np.asarray(g_cpu), case.dtype, scale=4.0)
+    return ours
+
+
+@pytest.mark.parametrize("shape", GPU_BIAS_SHAPES, ids=str)
+def test_bias_forward(shape):
+    bias = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+    check_forward_on_gpu(DENSE_CASE, bias=bias, causal=True)
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+@pytest.mark.parametrize("shape", GPU_BIAS_SHAPES, ids=str)
+def test_bias_gradients(shape, deterministic):
+    bias = jax.random.normal(jax.random.key(2), shape, jnp.float32)
+    check_bias_gradients_on_gpu(DENSE_CASE, bias, deterministic=deterministic, window_size=(120, 40))
+
+
+def test_bias_with_softcap_alibi_and_gqa_fp16():
+    case = Case(batch=2, seqlen_q=77, seqlen_k=130, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.float16, seed=5)
+    bias = jax.random.normal(jax.random.key(3), (8, 77, 130), jnp.float32)
+    kwargs = dict(softcap=4.0, alibi_slopes=jnp.linspace(0.05, 0.4, 8, dtype=jnp.float32))
+    check_forward_on_gpu(case, bias=bias, **kwargs)
+    check_bias_gradients_on_gpu(case, bias, **kwargs)
+
+
+def _padding_mask(lengths, seqlen_k):
+    return (jnp.arange(seqlen_k)[None, :] < jnp.asarray(lengths)[:, None])[:, None, None, :]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_padding_mask(dtype):
+    case = Case(**{**DENSE_CASE.__dict__, "dtype": dtype})
+    mask = _padding_mask([203, 90], case.seqlen_k)
+    check_forward_on_gpu(case, mask=mask)
+    check_gradients_on_gpu(case, mask=mask)
+
+
+def test_mask_with_fully_masked_rows_and_tiles():
+    """A random mask with rows that see nothing (o = 0, lse = -inf, finite gradients) and whole hidden key tiles."""
+    case = DENSE_CASE
+    i, j = jnp.arange(case.seqlen_q)[:, None], jnp.arange(case.seqlen_k)[None, :]
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, case.seqlen_q, case.seqlen_k))
+    mask = (mask & ((j < 64) | (j >= 140) | (i >= 100))).at[0, :, 5].set(False).at[1, :, 140:].set(False)
+    kwargs = dict(mask=mask, causal=True)
+    check_forward_on_gpu(case, **kwargs)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **_gpu_kwargs(kwargs))
+    assert np.all(np.isneginf(np.asarray(lse)[0, :, 5])) and np.all(np.asarray(o.astype(jnp.float32))[0, 5] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[1, :, 140:]))
+    check_gradients_on_gpu(case, **kwargs)
+    d_o = jnp.ones_like(q)
+    for g in grads(q, k, v, d_o, **_gpu_kwargs(kwargs)):
+        assert np.all(np.isfinite(np.asarray(g.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dropout_values_and_gradients(dtype):
+    """Against the float64 reference, which draws the same keep mask from jax_flash/_dropout.py."""
+    case = Case(**{**DENSE_CASE.__dict__, "dtype": dtype})
+    kwargs = dict(dropout_rate=0.2, dropout_rng=jax.random.key(7), causal=True)
+    check_forward_on_gpu(case, **kwargs)
+    check_gradients_on_gpu(case, **kwargs)
+    bias = jax.random.normal(jax.random.key(8), (4, 1, case.seqlen_k), jnp.float32)
+    check_bias_gradients_on_gpu(case, bias, mask=_padding_mask([203, 150], case.seqlen_k), **kwargs)
+
+
+@pytest.mark.parametrize("rate", (0.1, 0.5))
+def test_dropout_keep_mask_matches_cpu_and_generator(rate):
+    """With one-hot value rows, o[b, i, h, j] = dropout(P)[b, h, i, j] / rowsum: its zeros are exactly the dropped
+    elements. seqlen_k = 61 is odd, so Philox groups of four straddle rows and column pairs."""
+    batch, seqlen_q, heads, seqlen_k, head_dim = 2, 150, 3, 61, 64
+    q = 0.3 * jax.random.normal(jax.random.key(0), (batch, seqlen_q, heads, head_dim))
+    k = 0.3 * jax.random.normal(jax.random.key(1), (batch, seqlen_k, heads, head_dim))
+    v = jnp.broadcast_to(jnp.eye(seqlen_k, head_dim)[None, :, None, :], (batch, seqlen_k, heads, head_dim))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    key = jax.random.key(42)
+    kept = {}
+    for name, device in (("gpu", GPUS[0]), ("cpu", CPU)):
+        o = jax_flash.attention(*_on(device, q, k, v), dropout_rate=rate, dropout_rng=jax.device_put(key, device))
+        kept[name] = np.asarray(o.astype(jnp.float32) != 0)[..., :seqlen_k].transpose(0, 2, 1, 3)  # [B, H, Sq, Sk]
+    expected = np.asarray(_dropout.keep_mask(_dropout.seeds_from_key(key, batch), rate, heads, seqlen_q, seqlen_k))
+    np.testing.assert_array_equal(kept["gpu"], expected)
+    np.testing.assert_array_equal(kept["gpu"], kept["cpu"])
+    standard_error = np.sqrt(rate * (1 - rate) / expected.size)
+    assert abs(kept["gpu"].mean() - (1 - rate)) < 5 * standard_error
+
+
+def test_dropout_gpu_and_cpu_outputs_agree():
+    case = DENSE_CASE
+    q, k, v = case.inputs()
+    key = jax.random.key(9)
+    o_gpu = jax_flash.attention(*_on(GPUS[0], q, k, v), dropout_rate=0.3, dropout_rng=jax.device_put(key, GPUS[0]))
+    o_cpu = jax_flash.attention(*_on(CPU, q, k, v), dropout_rate=0.3, dropout_rng=key)
+    o_xla = jax_flash.attention(*_on(CPU, q, k, v), dropout_rate=0.3, dropout_rng=key, implementation="xla")
+    o_ref, _ = oracle(q, k, v, dropout_rate=0.3, dropout_rng=key)
+    assert_within_bound("o vs CPU", o_gpu, o_xla, np.asarray(o_cpu.astype(jnp.float32)), case.dtype)
+    assert_within_bound("o", o_gpu, o_xla, o_ref, case.dtype)
+
+
+@pytest.mark.parametrize("shape", [(4, 150, 203), (1, 4, 1, 203), (203,), (2, 4, 150, 203)], ids=str)
+def test_deterministic_dbias_is_bit_identical(shape):
+    case = DENSE_CASE
+    q, k, v = _on(GPUS[0], *case.inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])
+    bias = jax.device_put(jax.random.normal(jax.random.key(4), shape, jnp.float32), GPUS[0])
+    kwargs = _gpu_kwargs(dict(dropout_rate=0.1, dropout_rng=jax.random.key(5), causal=True,
+                              mask=_padding_mask([203, 170], case.seqlen_k)))
+    runs = [[np.asarray(g.astype(jnp.float32)) for g in _grads_with_bias(q, k, v, d_o, bias, deterministic=True,
+                                                                         **kwargs)] for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            np.testing.assert_array_equal(a, b)
+    atomic = _grads_with_bias(q, k, v, d_o, bias, **kwargs)[3]
+    np.testing.assert_allclose(np.asarray(atomic), runs[0][3], rtol=1e-4, atol=1e-4)

@@ -57,9 +57,6 @@ std::string check_supported(const AttentionParams& p) {
   if (p.seqlen_q >= (int64_t(1) << 31) || p.seqlen_k >= (int64_t(1) << 31)) {
     return "sequence lengths must be below 2^31";
   }
-  if (p.bias != nullptr) return "an additive bias is not supported by the CUDA kernels yet";
-  if (p.mask != nullptr) return "a boolean mask is not supported by the CUDA kernels yet";
-  if (p.dropout_rate > 0.0f) return "dropout is not supported by the CUDA kernels yet";
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) {
     return "q_segment_ids and kv_segment_ids must be given together";
   }
@@ -200,6 +197,10 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
 
 std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
+  if (p.dbias != nullptr) {  // the kernels add into it; it stays 0 where no score reaches (even an empty batch)
+    const int64_t dbias_bytes = p.outer_batch * p.bias_strides.outer * int64_t(sizeof(float));
+    if (cudaMemsetAsync(p.dbias, 0, dbias_bytes, stream) != cudaSuccess) return "cudaMemsetAsync of dbias failed";
+  }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {

@@ -29,7 +29,7 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
        dropout_rate}, &params);
   if (error.failure()) return error;
-  // What the kernels cannot do (float32, bias, mask, dropout, ...) comes back as an error from run_forward.
+  // What the kernels cannot do (float32, ...) comes back as an error from run_forward.
   return to_ffi_error(cuda::run_forward(params, stream));
 }
 

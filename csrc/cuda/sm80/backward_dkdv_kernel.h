@@ -2,7 +2,7 @@
 // it streams every query tile that can see them, for every query head of the GQA group (so dK/dV are summed
 // over the group without per-query-head copies, in a fixed order). Per query tile:
 //   S = Q K^T, dP = dO V^T          (scores recomputed; warp grid 2x4)
-//   P = exp(S - lse), dS = P (dP - D)
+//   P = exp(S - lse), dS = P (dP - D)   (general variant: dropout as in row_stats.h)
 //   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
 // dQ comes from its own pass (backward_dq_kernel.h).
 #pragma once
@@ -22,7 +22,7 @@
 
 namespace jax_flash::cuda::sm80 {
 
-template <class Traits, bool kTransforms>
+template <class Traits, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
   using namespace cute;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   clear(acc_dv);
   Tensor score_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRowsPerThread = decltype(size<0>(rows_cols(score_coords.layout())))::value;
-  const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
+  const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
   // One query tile against this CTA's keys; instantiated with and without the per-element mask.
   auto accumulate_query_tile = [&](int item, int stage, auto check_mask) __attribute__((always_inline)) {
@@ -142,6 +142,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    KeepBits<decltype(size(acc_s))::value> keep;
+    if constexpr (kGeneral) backward_keep_bits(keep, p, cta.batch, head, score_coords, m0, n0);
     clear(acc_s);
     clear(acc_dp);
     gemm_smem_smem(mma_sdp, acc_s, frag_q, frag_k, copy_sdp_a.get_thread_slice(tid).partition_S(sQ(stage)),
@@ -149,10 +151,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_smem_smem(mma_sdp, acc_dp, frag_do, frag_v, copy_sdp_a.get_thread_slice(tid).partition_S(sdO(stage)),
                    smem_v_part, copy_sdp_a, copy_sdp_b);
 
-    const auto scorer = ScoreTile<kTransforms>::make(p, cta.batch, head);
-    score_backward_tile<kTransforms, decltype(check_mask)::value>(scorer, acc_s, acc_dp, score_coords, stats, m0,
-                                                                  n0);
-    probabilities_and_score_grads<kTransforms>(as_rows_cols(acc_s), as_rows_cols(acc_dp), stats, to_log2);
+    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, head);
+    backward_scores<kGeneral, decltype(check_mask)::value>(scorer, p, keep, acc_s, acc_dp, score_coords, stats, m0,
+                                                            n0, to_log2);
 
     Tensor probs = converted<T>(acc_s);
     Tensor score_grads = converted<T>(acc_dp);

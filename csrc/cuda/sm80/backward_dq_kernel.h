@@ -2,7 +2,8 @@
 // key tiles, recomputing S and dP and keeping dQ in registers, so dQ is formed in one fixed order with no
 // atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this pass plus the dK/dV pass
 // ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the dK/dV pass
-// (228 vs 204 TFLOP/s), and it is deterministic for free.
+// (228 vs 204 TFLOP/s), and it is deterministic for free. The general variant also hands each dS to dbias
+// (DbiasMode; backward_launch.h decides).
 #pragma once
 
 #include <cmath>
@@ -14,14 +15,16 @@
 #include "fragments.h"
 #include "gmem_tile.h"
 #include "kernel_traits.h"
+#include "dbias.h"
 #include "row_stats.h"
 #include "score_tile.h"
 #include "tensor_offsets.h"
 
 namespace jax_flash::cuda::sm80 {
 
-template <class Traits, bool kTransforms>
-__global__ void __launch_bounds__(Traits::kThreads, 1) dq_kernel(const AttentionBackwardParams p, bool vectorized) {
+template <class Traits, bool kGeneral>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dq_kernel(const AttentionBackwardParams p, bool vectorized, DbiasMode dbias_mode) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -49,6 +52,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) dq_kernel(const Attention
   const BshdShape kv_shape = key_shape(p);
   const int64_t q_offset = q_shape.offset(cta.batch, m0, cta.head);
   T* dq_out = static_cast<T*>(p.dq) + q_offset;
+  float* const dbias_slice = kGeneral && dbias_mode != DbiasMode::kNone ? dbias_slice_of(p, cta.batch, cta.head) : nullptr;
 
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
   if (key_tiles.empty()) {
@@ -113,19 +117,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) dq_kernel(const Attention
   constexpr int kRowsPerThread = decltype(size<0>(rows_cols(coords.layout())))::value;
   RowStats<kRowsPerThread> stats;
   stats.load(p, cta.batch, cta.head, m0, coords);
-  const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
+  const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
   auto accumulate_key_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
+    const int64_t n0 = int64_t(n_block) * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    KeepBits<decltype(size(acc_s))::value> keep;
+    if constexpr (kGeneral) backward_keep_bits(keep, p, cta.batch, cta.head, coords, m0, n0);
     clear(acc_s);
     clear(acc_dp);
     gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_b.partition_S(sK(stage)), copy_a, copy_b);
     gemm_smem_smem(mma, acc_dp, frag_do, frag_v, smem_do_part, thr_copy_b.partition_S(sV(stage)), copy_a, copy_b);
-    const auto scorer = ScoreTile<kTransforms>::make(p, cta.batch, cta.head);
-    score_backward_tile<kTransforms, decltype(check_mask)::value>(scorer, acc_s, acc_dp, coords, stats, m0,
-                                                                  int64_t(n_block) * kBlockN);
-    probabilities_and_score_grads<kTransforms>(as_rows_cols(acc_s), as_rows_cols(acc_dp), stats, to_log2);
+    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, cta.head);
+    if constexpr (kGeneral) {
+      backward_scores<kGeneral, decltype(check_mask)::value>(
+          scorer, p, keep, acc_s, acc_dp, coords, stats, m0, n0, to_log2,
+          [&](int, int, int64_t row, int64_t col, float dscore) {
+            if (dbias_mode == DbiasMode::kStore) {
+              dbias_slice[row * p.bias_strides.query + col * p.bias_strides.key] = dscore;
+            } else if (dbias_mode == DbiasMode::kAtomicAdd) {
+              atomicAdd(dbias_slice + row * p.bias_strides.query + col * p.bias_strides.key, dscore);
+            }
+          });
+    } else {
+      backward_scores<kGeneral, decltype(check_mask)::value>(scorer, p, keep, acc_s, acc_dp, coords, stats, m0, n0,
+                                                              to_log2);
+    }
     Tensor score_grads = converted<T>(acc_dp);
     Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
     gemm_reg_smem(mma, acc_dq, score_grads_operand, frag_kt, thr_copy_bt.partition_S(sKt(stage)), copy_bt);

@@ -2,8 +2,9 @@
 //   1. softmax_d pre-pass
 //   2. dK/dV pass (one CTA per key tile and KV head)
 //   3. dQ pass (one CTA per query tile and head)
-// No atomics anywhere, so every run is bit-identical (p.deterministic needs nothing extra) and no float32 dQ
-// workspace is needed.
+//   4. only for a deterministic dbias of a broadcast bias: the dbias kernel (dbias.h)
+// No atomics for dQ/dK/dV, so they are bit-identical run to run and no float32 dQ workspace is needed; dbias
+// uses atomics only when the bias is broadcast and deterministic is False.
 #pragma once
 
 #include <string>
@@ -11,6 +12,7 @@
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
 #include "backward_dkdv_kernel.h"
+#include "dbias.h"
 #include "backward_dq_kernel.h"
 #include "backward_row_kernels.h"
 #include "kernel_traits.h"
@@ -26,7 +28,7 @@ inline bool backward_rows_are_16b_aligned(const AttentionBackwardParams& p) {
 template <int kHeadDim, class Element>
 std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
   using Traits = BackwardTraits<kHeadDim, Element>;
-  auto kernel = transforms_scores(p) ? dkdv_kernel<Traits, true> : dkdv_kernel<Traits, false>;
+  auto kernel = needs_general_variant(p) ? dkdv_kernel<Traits, true> : dkdv_kernel<Traits, false>;
   if (std::string err = allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
@@ -38,22 +40,52 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaS
 }
 
 template <int kHeadDim, class Element>
-std::string launch_dq(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
+std::string launch_dq(const AttentionBackwardParams& p, bool vectorized, DbiasMode dbias_mode, cudaStream_t stream) {
   using Traits = DqTraits<kHeadDim, Element>;
   constexpr int kSmemBytes = (2 * Traits::kQElems + 2 * Traits::kStages * Traits::kKVElems) * int(sizeof(Element));
-  auto kernel = transforms_scores(p) ? dq_kernel<Traits, true> : dq_kernel<Traits, false>;
+  auto kernel = needs_general_variant(p) ? dq_kernel<Traits, true> : dq_kernel<Traits, false>;
   if (std::string err = allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid); !err.empty()) {
     return err;
   }
   if (grid == 0) return {};
-  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized, dbias_mode);
   return last_launch_error("sm80 dQ kernel launch");
+}
+
+// The deterministic dbias of a broadcast bias (dbias.h).
+template <int kHeadDim, class Element>
+std::string launch_dbias(const AttentionBackwardParams& p, bool vectorized, DbiasBroadcast broadcast,
+                         cudaStream_t stream) {
+  using Traits = DqTraits<kHeadDim, Element>;
+  constexpr int kTileBytes = (2 * Traits::kQElems + 2 * Traits::kKVElems) * int(sizeof(Element));
+  constexpr int kSumBytes = Traits::kBlockM * Traits::kBlockN * int(sizeof(float));
+  constexpr int kSmemBytes = kTileBytes > kSumBytes ? kTileBytes : kSumBytes;
+  auto kernel = dbias_kernel<Traits>;
+  if (std::string err = allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
+  DbiasGrid grid;
+  grid.broadcast = broadcast;
+  grid.slice_batches = broadcast.batch ? 1 : p.inner_batch;
+  grid.slice_heads = broadcast.head ? 1 : p.heads_q;
+  grid.m_total = static_cast<int>(ceil_div(p.seqlen_q, Traits::kBlockM));
+  grid.n_total = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
+  grid.m_tiles = broadcast.query ? 1 : grid.m_total;
+  grid.n_tiles = broadcast.key ? 1 : grid.n_total;
+  unsigned blocks = 0;
+  if (std::string err = grid_size(int64_t(grid.m_tiles) * grid.n_tiles, grid.slice_heads,
+                                  p.outer_batch * grid.slice_batches, &blocks);
+      !err.empty()) {
+    return err;
+  }
+  if (blocks == 0) return {};
+  kernel<<<blocks, Traits::kThreads, kSmemBytes, stream>>>(p, vectorized, grid);
+  return last_launch_error("sm80 dbias kernel launch");
 }
 
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  if (std::string err = check_dense_strides(p); !err.empty()) return err;
   const bool vectorized = backward_rows_are_16b_aligned(p);
   const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
   const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);
@@ -63,7 +95,17 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
-  return launch_dq<kHeadDim, Element>(p, vectorized, stream);
+  // dbias (zero-filled by the dispatcher): stores, atomics or its own deterministic kernel (dbias.h).
+  const DbiasBroadcast broadcast = dbias_broadcast(p);
+  const bool separate_dbias = p.dbias != nullptr && broadcast.any() && p.deterministic;
+  const DbiasMode dbias_mode = p.dbias == nullptr || separate_dbias ? DbiasMode::kNone
+                               : broadcast.any()                    ? DbiasMode::kAtomicAdd
+                                                                    : DbiasMode::kStore;
+  if (std::string err = launch_dq<kHeadDim, Element>(p, vectorized, dbias_mode, stream); !err.empty()) return err;
+  if (separate_dbias && p.seqlen_q > 0 && p.seqlen_k > 0) {
+    return launch_dbias<kHeadDim, Element>(p, vectorized, broadcast, stream);
+  }
+  return {};
 }
 
 }  // namespace jax_flash::cuda::sm80

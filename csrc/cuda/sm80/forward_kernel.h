@@ -20,7 +20,7 @@
 
 namespace jax_flash::cuda::sm80 {
 
-template <class Traits, bool kTransforms>
+template <class Traits, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const AttentionParams p, bool vectorized) {
   using namespace cute;
   using T = typename Traits::Element;
@@ -109,17 +109,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
   constexpr int kRowsPerThread = decltype(size<0>(rows_cols(acc_o.layout())))::value;
   OnlineSoftmax<kRowsPerThread> softmax;
   softmax.reset();
-  const float to_log2 = ScoreTile<kTransforms>::to_log2(p);
+  const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
   // One key tile: S = Q K^T, scores, online softmax, O += P V. Instantiated with and without the per-element
   // mask so that interior tiles carry none of its registers or instructions.
   auto attend_to_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    // Dropout keep bits first, while the score accumulators are not yet live (Philox needs a dozen registers).
+    [[maybe_unused]] KeepBits<decltype(size(acc_s))::value> keep;
+    [[maybe_unused]] const bool dropping = kGeneral && p.dropout_rate > 0.0f;
+    if constexpr (kGeneral) {
+      if (dropping) keep.compute(SliceDropout::make(p, cta.batch, cta.head), coords, m0, int64_t(n_block) * kBlockN);
+    }
     clear(acc_s);
     gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_k.partition_S(sK(stage)), copy_q, copy_k);
-    ScoreTile<kTransforms>::make(p, cta.batch, cta.head)
+    ScoreTile<kGeneral>::make(p, cta.batch, cta.head)
         .apply<decltype(check_mask)::value>(acc_s, coords, m0, int64_t(n_block) * kBlockN);
     softmax.update(as_rows_cols(acc_s), as_rows_cols(acc_o), to_log2);
+    if constexpr (kGeneral) {
+      // The row sums (and so the lse) are of the undropped probabilities; only P V sees the dropout.
+      if (dropping) {
+        const float keep_scale = 1.0f / (1.0f - p.dropout_rate);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = keep.kept(i) ? acc_s(i) * keep_scale : 0.0f;
+      }
+    }
     Tensor probs = converted<T>(acc_s);
     Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
     gemm_reg_smem(mma, acc_o, probs_operand, frag_vt, thr_copy_vt.partition_S(sVt(stage)), copy_vt);

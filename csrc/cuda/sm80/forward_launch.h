@@ -14,9 +14,10 @@ namespace jax_flash::cuda::sm80 {
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   using Traits = ForwardTraits<kHeadDim, Element>;
+  if (std::string err = check_dense_strides(p); !err.empty()) return err;
   constexpr int kSmemBytes =
       (Traits::kQElems + 2 * Traits::kStages * Traits::kKVElems) * int(sizeof(Element));
-  auto kernel = transforms_scores(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
+  auto kernel = needs_general_variant(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
   if (std::string err = allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);

@@ -33,6 +33,16 @@ std::string allow_dynamic_smem(Kernel kernel, int bytes) {
   return {};
 }
 
+// The general variant reads bias/mask at 32-bit offsets from a thread's first element of a tile: rows at most
+// 255 apart, times the query stride (seqlen_k, or 0 when broadcast).
+inline std::string check_dense_strides(const AttentionParams& p) {
+  constexpr int64_t kLimit = (int64_t(1) << 31) / 256;
+  if ((p.bias != nullptr && p.bias_strides.query >= kLimit) || (p.mask != nullptr && p.mask_strides.query >= kLimit)) {
+    return "a bias or mask with more than 2^23 keys per row is not supported by the sm80 kernels";
+  }
+  return {};
+}
+
 // blockIdx.x carries (tile, head, batch) folded together; *grid == 0 means there is nothing to launch.
 inline std::string grid_size(int64_t tiles, int64_t heads, int64_t batch, unsigned* grid) {
   const int64_t blocks = tiles * heads * batch;

@@ -37,9 +37,8 @@ struct RowStats {
   }
 };
 
-// scores -> P = exp(score - lse) and dp -> dS = P * (dP - D) (times the softcap factor, which with kTransforms
-// the score pass has already folded into dp as (dP - D) * factor).
-template <bool kTransforms, int kRows, class Scores, class Dp>
+// Common variant: scores -> P = exp(score - lse) and dp -> dS = P * (dP - D).
+template <int kRows, class Scores, class Dp>
 __device__ void probabilities_and_score_grads(Scores&& scores, Dp&& dp, RowStats<kRows> const& stats,
                                               float to_log2) {
   CUTE_UNROLL
@@ -48,21 +47,59 @@ __device__ void probabilities_and_score_grads(Scores&& scores, Dp&& dp, RowStats
     for (int c = 0; c < cute::size<1>(scores); ++c) {
       const float prob = fast_exp2(scores(r, c) * to_log2 - stats.lse_log2[r]);
       scores(r, c) = prob;
-      dp(r, c) = prob * (kTransforms ? dp(r, c) : dp(r, c) - stats.softmax_d[r]);
+      dp(r, c) = prob * (dp(r, c) - stats.softmax_d[r]);
     }
   }
 }
 
-// The score pass of the backward: masks/transforms the score tile and, with kTransforms, turns dp into
-// (dP - D) * d(score)/d(scaled dot) while the factor is at hand.
-template <bool kTransforms, bool kCheckMask, int kRows, class Acc, class Coords>
-__device__ void score_backward_tile(const ScoreTile<kTransforms>& scorer, Acc& acc_s, Acc& acc_dp,
-                                    Coords const& coords, RowStats<kRows> const& stats, int64_t row0,
-                                    int64_t col0) {
-  auto dp = as_rows_cols(acc_dp);
-  scorer.template apply<kCheckMask>(acc_s, coords, row0, col0, [&](int r, int c, float dscore_ddot) {
-    dp(r, c) = (dp(r, c) - stats.softmax_d[r]) * dscore_ddot;
-  });
+struct IgnoreDscore {
+  __device__ void operator()(int, int, int64_t, int64_t, float) const {}
+};
+
+// Keep bits of a backward score tile: computed only with dropout (a no-op otherwise).
+template <int kElems, class Coords>
+__device__ void backward_keep_bits(KeepBits<kElems>& keep, const AttentionParams& p, int64_t batch, int64_t head,
+                                   Coords const& coords, int64_t row0, int64_t col0) {
+  if (p.dropout_rate > 0.0f) keep.compute(SliceDropout::make(p, batch, head), coords, row0, col0);
+}
+
+// The score pass of the backward on a tile of raw dots acc_s and dP = dO V^T in acc_dp. Afterwards acc_s holds
+// what dV = P^T dO needs (P, dropped out like the forward's P V) and acc_dp holds d loss / d(scaled dot).
+// General variant, one pass per visible element, as the CPU backward does:
+//   P = exp(S - lse), dP' = dropout(dP), dS = P (dP' - D)   (d loss / d biased score, what dbias sums:
+//   on_dscore(r, c, row, col, dS) receives it), acc_dp <- dS * dsoftcap, acc_s <- dropout(P);
+// hidden elements become 0 in both.
+// With dropout, `keep` holds the tile's keep bits (computed by the caller before the GEMMs, while fewer registers
+// are live); dropout_rate 0 ignores it.
+template <bool kGeneral, bool kCheckMask, int kRows, class Acc, class Coords, class Keep,
+          class OnDscore = IgnoreDscore>
+__device__ void backward_scores(const ScoreTile<kGeneral>& scorer, const AttentionParams& p, Keep const& keep,
+                                Acc& acc_s, Acc& acc_dp, Coords const& coords, RowStats<kRows> const& stats,
+                                int64_t row0, int64_t col0, float to_log2, OnDscore on_dscore = {}) {
+  if constexpr (!kGeneral) {
+    scorer.template apply<kCheckMask>(acc_s, coords, row0, col0);
+    probabilities_and_score_grads(as_rows_cols(acc_s), as_rows_cols(acc_dp), stats, to_log2);
+  } else {
+    auto scores = as_rows_cols(acc_s);
+    auto dp = as_rows_cols(acc_dp);
+    const bool dropping = p.dropout_rate > 0.0f;
+    const float keep_scale = dropping ? 1.0f / (1.0f - p.dropout_rate) : 1.0f;
+    scorer.template apply<kCheckMask>(
+        acc_s, coords, row0, col0,
+        [&](int r, int c, int64_t row, int64_t col, float dscore_ddot) {
+          const float prob = fast_exp2(scores(r, c) * kLog2e - stats.lse_log2[r]);
+          const bool kept = !dropping || keep.kept(scores.layout()(r, c));
+          const float dprob = kept ? dp(r, c) * keep_scale : 0.0f;
+          const float dscore = prob * (dprob - stats.softmax_d[r]);
+          on_dscore(r, c, row, col, dscore);
+          dp(r, c) = dscore * dscore_ddot;
+          scores(r, c) = kept ? prob * keep_scale : 0.0f;
+        },
+        [&](int r, int c) {
+          scores(r, c) = 0.0f;
+          dp(r, c) = 0.0f;
+        });
+  }
 }
 
 }  // namespace jax_flash::cuda::sm80

@@ -6,6 +6,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../../common/philox.h"
 #include "../../common/score_pipeline.h"
 #include "fragments.h"
 
@@ -22,18 +23,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Softcap or ALiBi: scores must be transformed element by element, a compile-time choice (kernels are built
-// both ways) because the transform's registers would otherwise crowd the accumulators of the common case.
-// Without it the tile keeps raw dots and the scale is folded into the exp2 argument.
-__host__ __device__ inline bool transforms_scores(const AttentionParams& p) { return p.softcap > 0.0f || p.alibi_slopes != nullptr; }
+// The "general" variant: anything that needs each score element by element (softcap, ALiBi, an additive bias, a
+// boolean mask) or each probability (dropout). A compile-time choice (kernels are built both ways) because its
+// registers would otherwise crowd the accumulators of the common case. Without it the tile keeps raw dots and
+// the scale is folded into the exp2 argument.
+__host__ __device__ inline bool needs_general_variant(const AttentionParams& p) {
+  return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
+         p.dropout_rate > 0.0f;
+}
 
-struct IgnoreTransform {
-  __device__ void operator()(int, int, float) const {}
+// Callbacks of ScoreTile::apply that do nothing.
+struct IgnoreVisible {
+  __device__ void operator()(int, int, int64_t, int64_t, float) const {}
+};
+struct IgnoreHidden {
+  __device__ void operator()(int, int) const {}
 };
 
 // Kernels build one where a tile is scored rather than holding it across their main loop: its fields come from
 // kernel parameters (constant bank) and a few cached loads, and the registers go to the accumulators instead.
-template <bool kTransforms>
+template <bool kGeneral>
 struct ScoreTile {
   SliceMask mask;
   float softmax_scale;
@@ -44,20 +53,41 @@ struct ScoreTile {
   }
   // Multiplier from the tile's units (after apply) to log2-domain logits.
   __device__ static float to_log2(const AttentionParams& p) {
-    return kTransforms ? kLog2e : p.softmax_scale * kLog2e;
+    return kGeneral ? kLog2e : p.softmax_scale * kLog2e;
   }
 
   // Raw dots -> final scores in place for the tile at (row0, col0); invisible entries become -inf.
   // Columns are handled as this thread's first column plus a compile-time offset, so the per-element mask test
   // compares an immediate against two per-row limits.
-  // With kTransforms, on_transform(r, c, dscore_ddot) sees each visible element's softcap chain-rule factor.
-  template <bool kCheckMask, class Acc, class Coords, class OnTransform = IgnoreTransform>
-  __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
-                        OnTransform on_transform = {}) const {
-    if constexpr (!kCheckMask && !kTransforms) return;
+  // With kGeneral the boolean mask is tested on every tile (it has no tile structure), and
+  // on_visible(r, c, row, col, dscore_ddot) sees each visible element once its score is final, with the softcap
+  // chain-rule factor; on_hidden(r, c) sees the others, after they became -inf.
+  template <bool kCheckMask, class Acc, class Coords, class OnVisible = IgnoreVisible, class OnHidden = IgnoreHidden>
+  __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0, OnVisible on_visible = {},
+                        OnHidden on_hidden = {}) const {
+    if constexpr (!kCheckMask && !kGeneral) return;
     auto scores = as_rows_cols(acc);
     auto score_coords = as_rows_cols(coords);
     const int64_t first_col = col0 + cute::get<1>(score_coords(0, 0));
+    // Bias and mask are read relative to this thread's first element, with 32-bit offsets (row offset < block_m
+    // times a stride that is at most seqlen_k < 2^31; the key stride is 0 or 1), so that no 64-bit address per
+    // row or element stays live.
+    const int64_t first_row = row0 + cute::get<0>(score_coords(0, 0));
+    const float* bias_origin = nullptr;
+    const bool* mask_origin = nullptr;
+    int bias_row_stride = 0, bias_col_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
+    if constexpr (kGeneral) {
+      if (mask.bias != nullptr) {
+        bias_origin = mask.bias + first_row * mask.bias_strides.query + first_col * mask.bias_strides.key;
+        bias_row_stride = static_cast<int>(mask.bias_strides.query);
+        bias_col_stride = static_cast<int>(mask.bias_strides.key);
+      }
+      if (mask.mask != nullptr) {
+        mask_origin = mask.mask + first_row * mask.mask_strides.query + first_col * mask.mask_strides.key;
+        mask_row_stride = static_cast<int>(mask.mask_strides.query);
+        mask_col_stride = static_cast<int>(mask.mask_strides.key);
+      }
+    }
     CUTE_UNROLL
     for (int r = 0; r < cute::size<0>(scores); ++r) {
       const int64_t row = row0 + cute::get<0>(score_coords(r, 0));
@@ -69,12 +99,23 @@ struct ScoreTile {
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(scores); ++c) {
         const int offset = cute::get<1>(score_coords(r, c)) - cute::get<1>(score_coords(0, 0));
+        // Position and segment tests first: they bound the bias and mask reads to in-range elements.
         if (kCheckMask && (offset < begin || offset >= end || (segments && kv_segments[offset] != row_segment))) {
           scores(r, c) = -INFINITY;
-        } else if (kTransforms) {
-          float dscore_ddot;
-          scores(r, c) = transform(scores(r, c), row, first_col + offset, &dscore_ddot);
-          on_transform(r, c, dscore_ddot);
+          on_hidden(r, c);
+        } else if (kGeneral) {
+          const int64_t col = first_col + offset;
+          const int local_row = cute::get<0>(score_coords(r, 0)) - cute::get<0>(score_coords(0, 0));
+          if (mask_origin != nullptr && !mask_origin[local_row * mask_row_stride + offset * mask_col_stride]) {
+            scores(r, c) = -INFINITY;
+            on_hidden(r, c);
+          } else {
+            float dscore_ddot;
+            const float bias =
+                bias_origin != nullptr ? bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : 0.0f;
+            scores(r, c) = transform(scores(r, c), row, col, &dscore_ddot) + bias;
+            on_visible(r, c, row, col, dscore_ddot);
+          }
         }
       }
     }
@@ -85,9 +126,72 @@ struct ScoreTile {
     return static_cast<int>(x < -1 ? -1 : (x > (1 << 30) ? (1 << 30) : x));
   }
 
+  // scale -> softcap -> ALiBi (the bias is added by apply, after it, as in score_pipeline.h).
   __device__ __forceinline__ float transform(float dot, int64_t row, int64_t col, float* dscore_ddot) const {
     return transform_score(dot, softmax_scale, softcap, mask.alibi_slope, row, col, mask.diagonal_shift,
                            dscore_ddot);
+  }
+};
+
+// Dropout of one (batch, head) slice: the keep test of common/philox.h.
+struct SliceDropout {
+  uint32_t seed[2];
+  uint32_t threshold;
+  float keep_scale;    // 1 / (1 - rate)
+  int64_t head_base;   // h * seqlen_q: linear index of (i, j) is (head_base + i) * seqlen_k + j
+  int64_t seqlen_k;
+
+  __device__ static SliceDropout make(const AttentionParams& p, int64_t batch, int64_t head) {
+    SliceDropout d;
+    d.seed[0] = p.dropout_seeds[2 * batch];
+    d.seed[1] = p.dropout_seeds[2 * batch + 1];
+    d.threshold = dropout_threshold(p.dropout_rate);
+    d.keep_scale = 1.0f / (1.0f - p.dropout_rate);
+    d.head_base = head * p.seqlen_q;
+    d.seqlen_k = p.seqlen_k;
+    return d;
+  }
+};
+
+// Keep bits of the kElems elements of a thread's accumulator tile: bit i % 32 of bits[i / 32] for element i.
+// The Philox rounds run in a loop that is deliberately not unrolled (unrolled per element they would bloat the
+// kernel and evict the accumulators from registers); a thread's elements come in pairs of adjacent columns, and
+// a pair inside one aligned group of four shares its Philox call.
+template <int kElems>
+struct KeepBits {
+  static constexpr int kWords = (kElems + 31) / 32;
+  uint32_t bits[kWords];
+
+  template <class Coords>
+  __device__ void compute(const SliceDropout& d, Coords const& coords, int64_t row0, int64_t col0) {
+    static_assert(decltype(cute::size(coords))::value == kElems && kElems % 2 == 0);
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) {
+      uint32_t word = 0;
+      const int count = kElems - 32 * w < 32 ? kElems - 32 * w : 32;
+#pragma unroll 1
+      for (int i = 0; i < count; i += 2) {
+        const uint64_t n = linear_index(d, coords(w * 32 + i), row0, col0);
+        const uint64_t n_next = linear_index(d, coords(w * 32 + i + 1), row0, col0);
+        PhiloxWords words = philox_block(d, n >> 2);
+        const uint32_t first = words.w[n & 3];
+        if ((n_next >> 2) != (n >> 2)) words = philox_block(d, n_next >> 2);
+        const uint32_t second = words.w[n_next & 3];
+        word |= (first >= d.threshold ? 1u : 0u) << i;
+        word |= (second >= d.threshold ? 1u : 0u) << (i + 1);
+      }
+      bits[w] = word;
+    }
+  }
+  __device__ bool kept(int i) const { return (bits[i / 32] >> (i % 32)) & 1u; }
+
+  template <class Coord>
+  __device__ static uint64_t linear_index(const SliceDropout& d, Coord const& coord, int64_t row0, int64_t col0) {
+    return static_cast<uint64_t>((d.head_base + row0 + cute::get<0>(coord)) * d.seqlen_k + col0 + cute::get<1>(coord));
+  }
+  __device__ static PhiloxWords philox_block(const SliceDropout& d, uint64_t block) {
+    return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, 0u, d.seed[0],
+                         d.seed[1]);
   }
 };
 

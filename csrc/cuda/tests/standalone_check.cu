@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/philox.h"
 #include "../../common/score_pipeline.h"
 #include "../launch.h"
 
@@ -43,6 +44,9 @@ struct Case {
   float softcap = 0.0f;
   bool alibi = false, seqlens = false, segments = false, deterministic = false;
   float input_scale = 1.0f;  // larger logits exercise softcap and the running-max rescale
+  int bias = 0;              // 0: none, 1: full [B, Hq, Sq, Sk], 2: [1, Hq, 1, Sk] (broadcast: dbias sums)
+  bool dense_mask = false;   // random boolean mask [B, 1, Sq, Sk] with a fully masked row
+  float dropout_rate = 0.0f;
 };
 
 // ---- element conversion -------------------------------------------------------------------------------
@@ -108,12 +112,12 @@ T* poisoned(size_t n) {  // 0xFF bytes: NaN in bf16, fp16 and f32
 
 // ---- float64 reference --------------------------------------------------------------------------------
 struct Reference {
-  std::vector<double> o, lse, dq, dk, dv;
+  std::vector<double> o, lse, dq, dk, dv, dbias;
 };
 
 Reference reference(const Case& c, const AttentionParams& host_params, const std::vector<float>& q,
                     const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& d_o,
-                    const std::vector<float>& d_lse) {
+                    const std::vector<float>& d_lse, size_t bias_elements) {
   const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, Hq = c.heads_q, Hkv = c.heads_kv, D = c.head_dim;
   Reference r;
   r.o.assign(B * Sq * Hq * D, 0.0);
@@ -121,8 +125,13 @@ Reference reference(const Case& c, const AttentionParams& host_params, const std
   r.dq.assign(B * Sq * Hq * D, 0.0);
   r.dk.assign(B * Sk * Hkv * D, 0.0);
   r.dv.assign(B * Sk * Hkv * D, 0.0);
+  r.dbias.assign(bias_elements, 0.0);
   const double scale = host_params.softmax_scale;
-  std::vector<double> s(Sk), grad(Sk), p(Sk);
+  const jax_flash::BroadcastStrides& bs = host_params.bias_strides;
+  const bool dropout = host_params.dropout_rate > 0.0f;
+  const uint32_t threshold = jax_flash::dropout_threshold(host_params.dropout_rate);
+  const double keep_scale = 1.0 / (1.0 - double(host_params.dropout_rate));
+  std::vector<double> s(Sk), grad(Sk), p(Sk), keep(Sk, 1.0);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const jax_flash::SliceMask mask = jax_flash::make_slice_mask(host_params, b, h);
@@ -146,6 +155,7 @@ Reference reference(const Case& c, const AttentionParams& host_params, const std
             g = 1.0 - t * t;
           }
           if (mask.alibi_slope != 0.0f) x -= double(mask.alibi_slope) * std::llabs(i + mask.diagonal_shift - j);
+          x += mask.bias_at(i, j);
           s[j] = x;
           grad[j] = g;
           max_s = std::max(max_s, x);
@@ -154,10 +164,14 @@ Reference reference(const Case& c, const AttentionParams& host_params, const std
         double sum = 0;
         for (int64_t j = 0; j < Sk; ++j) sum += (p[j] = s[j] == -INFINITY ? 0.0 : std::exp(s[j] - max_s));
         const int64_t out_row = ((b * Sq + i) * Hq + h) * D;
+        for (int64_t j = 0; j < Sk && dropout; ++j) {  // o = dropout(P) V; lse of the undropped P
+          const bool kept = jax_flash::dropout_keeps(host_params.dropout_seeds + 2 * b, threshold, (h * Sq + i) * Sk + j);
+          keep[j] = kept ? keep_scale : 0.0;
+        }
         for (int64_t j = 0; j < Sk; ++j) {
           p[j] /= sum;
           if (p[j] == 0) continue;
-          for (int64_t e = 0; e < D; ++e) r.o[out_row + e] += p[j] * vrow(j)[e];
+          for (int64_t e = 0; e < D; ++e) r.o[out_row + e] += p[j] * keep[j] * vrow(j)[e];
         }
         const int64_t stat = (b * Hq + h) * Sq + i;
         r.lse[stat] = max_s + std::log(sum);
@@ -169,12 +183,14 @@ Reference reference(const Case& c, const AttentionParams& host_params, const std
           if (p[j] == 0) continue;
           double dp = 0;
           for (int64_t e = 0; e < D; ++e) dp += double(d_o[out_row + e]) * vrow(j)[e];
-          const double ddot = p[j] * (dp - row_d) * grad[j] * scale;
+          const double dscore = p[j] * (dp * keep[j] - row_d);
+          if (!r.dbias.empty()) r.dbias[b * bs.batch + h * bs.head + i * bs.query + j * bs.key] += dscore;
+          const double ddot = dscore * grad[j] * scale;
           const int64_t kv_row = ((b * Sk + j) * Hkv + hk) * D;
           for (int64_t e = 0; e < D; ++e) {
             r.dq[out_row + e] += ddot * krow(j)[e];
             r.dk[kv_row + e] += ddot * qrow(i)[e];
-            r.dv[kv_row + e] += p[j] * d_o[out_row + e];
+            r.dv[kv_row + e] += p[j] * keep[j] * d_o[out_row + e];
           }
         }
       }
@@ -239,6 +255,18 @@ bool run_case(const Case& c, std::mt19937& rng) {
   std::printf("%-34s b=%lld sq=%lld sk=%lld hq=%lld hkv=%lld d=%lld %s\n", c.name.c_str(), (long long)B,
               (long long)Sq, (long long)Sk, (long long)Hq, (long long)Hkv, (long long)D,
               t == ElementType::kBFloat16 ? "bf16" : "fp16");
+  // Dense operands, bias/mask strides of a [1, Hq, 1, Sk] or [B, Hq, Sq, Sk] bias and a [B, 1, Sq, Sk] mask.
+  jax_flash::BroadcastStrides bias_strides;
+  if (c.bias == 1) bias_strides = {B * Hq * Sq * Sk, Hq * Sq * Sk, Sq * Sk, Sk, 1};
+  if (c.bias == 2) bias_strides = {Hq * Sk, 0, Sk, 0, 1};
+  const size_t bias_elements = c.bias ? bias_strides.outer : 0;
+  std::vector<float> bias(bias_elements);
+  for (auto& x : bias) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  std::vector<uint8_t> dense_mask(c.dense_mask ? B * Sq * Sk : 0);
+  for (size_t e = 0; e < dense_mask.size(); ++e) dense_mask[e] = rng() % 5 != 0;
+  if (c.dense_mask && Sq > 3) std::fill(dense_mask.begin() + 3 * Sk, dense_mask.begin() + 4 * Sk, 0);  // row 3 of batch 0
+  std::vector<uint32_t> seeds(2 * B);
+  for (auto& x : seeds) x = static_cast<uint32_t>(rng());
   HostTensor q = random_tensor(nq, t, c.input_scale, rng), k = random_tensor(nk, t, c.input_scale, rng),
              v = random_tensor(nk, t, 1.0f, rng), d_o = random_tensor(nq, t, 1.0f, rng);
   std::vector<float> d_lse(nstat);
@@ -281,7 +309,19 @@ bool run_case(const Case& c, std::mt19937& rng) {
     host.q_segment_ids = q_seg.data();
     host.kv_segment_ids = kv_seg.data();
   }
-  const Reference ref = reference(c, host, q.values, k.values, v.values, d_o.values, d_lse);
+  host.inner_batch = B;
+  host.outer_batch = 1;
+  if (c.bias) {
+    host.bias = bias.data();
+    host.bias_strides = bias_strides;
+  }
+  if (c.dense_mask) {
+    host.mask = reinterpret_cast<const bool*>(dense_mask.data());
+    host.mask_strides = {B * Sq * Sk, Sq * Sk, 0, Sk, 1};
+  }
+  host.dropout_rate = c.dropout_rate;
+  if (c.dropout_rate > 0.0f) host.dropout_seeds = seeds.data();
+  const Reference ref = reference(c, host, q.values, k.values, v.values, d_o.values, d_lse, bias_elements);
 
   AttentionBackwardParams p{};
   static_cast<AttentionParams&>(p) = host;
@@ -290,6 +330,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.kv_seqlens = c.seqlens ? to_device(kv_lens) : nullptr;
   p.q_segment_ids = c.segments ? to_device(q_seg) : nullptr;
   p.kv_segment_ids = c.segments ? to_device(kv_seg) : nullptr;
+  p.bias = c.bias ? to_device(bias) : nullptr;
+  p.mask = c.dense_mask ? reinterpret_cast<const bool*>(to_device(dense_mask)) : nullptr;
+  p.dropout_seeds = c.dropout_rate > 0.0f ? to_device(seeds) : nullptr;
   p.q = to_device(q.bits);
   p.k = to_device(k.bits);
   p.v = to_device(v.bits);
@@ -310,7 +353,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.d_lse = to_device(d_lse);
   p.deterministic = c.deterministic;
   std::vector<uint16_t> first_grads[3];
+  std::vector<float> first_dbias;
   for (int run = 0; run < (c.deterministic ? 2 : 1); ++run) {
+    p.dbias = c.bias ? poisoned<float>(bias_elements) : nullptr;
     p.dq = poisoned<uint16_t>(nq);
     p.dk = poisoned<uint16_t>(nk);
     p.dv = poisoned<uint16_t>(nk);
@@ -324,24 +369,31 @@ bool run_case(const Case& c, std::mt19937& rng) {
     std::vector<uint16_t> grads[3] = {to_host(static_cast<uint16_t*>(p.dq), nq),
                                       to_host(static_cast<uint16_t*>(p.dk), nk),
                                       to_host(static_cast<uint16_t*>(p.dv), nk)};
+    const std::vector<float> dbias = to_host(p.dbias, bias_elements);
     if (run == 0) {
       const double tol = t == ElementType::kBFloat16 ? 3e-2 : 6e-3;
       ok &= report("dq", compare(ref.dq, values_of(grads[0], t)), tol);
       ok &= report("dk", compare(ref.dk, values_of(grads[1], t)), tol);
       ok &= report("dv", compare(ref.dv, values_of(grads[2], t)), tol);
+      if (c.bias) ok &= report("dbias", compare(ref.dbias, dbias), tol);
       for (int g = 0; g < 3; ++g) first_grads[g] = grads[g];
+      first_dbias = dbias;
     } else {
-      const bool same = grads[0] == first_grads[0] && grads[1] == first_grads[1] && grads[2] == first_grads[2];
+      const bool same = grads[0] == first_grads[0] && grads[1] == first_grads[1] && grads[2] == first_grads[2] &&
+                        dbias == first_dbias;
       std::printf("    deterministic rerun bit-identical: %s\n", same ? "ok" : "FAIL");
       ok &= same;
     }
     for (void* ptr : {p.dq, p.dk, p.dv}) CHECK_CUDA(cudaFree(ptr));
+    if (p.dbias) CHECK_CUDA(cudaFree(p.dbias));
     CHECK_CUDA(cudaFree(p.softmax_d));
   }
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
                           static_cast<const void*>(p.o), static_cast<const void*>(p.alibi_slopes),
                           static_cast<const void*>(p.q_seqlens), static_cast<const void*>(p.kv_seqlens),
-                          static_cast<const void*>(p.q_segment_ids), static_cast<const void*>(p.kv_segment_ids)}) {
+                          static_cast<const void*>(p.q_segment_ids), static_cast<const void*>(p.kv_segment_ids),
+                          static_cast<const void*>(p.bias), static_cast<const void*>(p.mask),
+                          static_cast<const void*>(p.dropout_seeds)}) {
     if (ptr) CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
   }
   return ok;
@@ -361,7 +413,18 @@ std::vector<Case> case_grid(bool small) {
        .seqlens = true, .segments = true, .input_scale = 2.0f});
   add({.name = "fp16 causal deterministic", .batch = 2, .seqlen_q = 100, .seqlen_k = 100, .heads_q = 4,
        .heads_kv = 2, .type = ElementType::kFloat16, .causal = true, .deterministic = true});
+  add({.name = "full bias + mask + dropout GQA causal", .batch = 2, .seqlen_q = 77, .seqlen_k = 150, .heads_q = 4,
+       .heads_kv = 2, .causal = true, .bias = 1, .dense_mask = true, .dropout_rate = 0.2f});
+  add({.name = "broadcast bias atomics + seqlens", .batch = 2, .seqlen_q = 70, .seqlen_k = 90, .heads_q = 4,
+       .heads_kv = 2, .seqlens = true, .bias = 2, .dropout_rate = 0.1f});
+  add({.name = "broadcast bias deterministic fp16", .batch = 2, .seqlen_q = 70, .seqlen_k = 90, .heads_q = 4,
+       .heads_kv = 2, .type = ElementType::kFloat16, .deterministic = true, .bias = 2, .dense_mask = true,
+       .dropout_rate = 0.1f});
   if (small) return cases;
+  add({.name = "d=128 bias + mask + dropout + softcap", .batch = 2, .seqlen_q = 300, .seqlen_k = 257, .heads_q = 4,
+       .heads_kv = 1, .head_dim = 128, .softcap = 5.0f, .bias = 1, .dense_mask = true, .dropout_rate = 0.3f});
+  add({.name = "d=128 broadcast bias deterministic", .batch = 3, .seqlen_q = 200, .seqlen_k = 190, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 128, .causal = true, .deterministic = true, .bias = 2, .dropout_rate = 0.1f});
   for (int64_t d : {32, 64, 96, 128, 192, 256}) {
     add({.name = "head dim sweep causal", .batch = 1, .seqlen_q = 300, .seqlen_k = 300, .heads_q = 2, .heads_kv = 1,
          .head_dim = d, .causal = true});
