@@ -40,6 +40,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
     return_residual: bool = False,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Signature- and semantics-compatible with ``jax.nn.dot_product_attention``.
 
@@ -61,6 +62,8 @@ def dot_product_attention(
       implementation: ``None`` for the jax_flash kernels, ``"xla"`` for jax_flash's pure-JAX path, ``"cudnn"``
         to call ``jax.nn.dot_product_attention(implementation="cudnn")`` itself.
       return_residual: also return the log-sum-exp, ``[batch, seqlen_q, heads_q]`` in the output dtype.
+      float32_precision: jax_flash's extra argument (not in ``jax.nn``): for float32 inputs on the GPU,
+        ``"tf32"`` (default) or ``"highest"``; see ``jax_flash.attention``.
 
     Returns:
       The attention output shaped like ``query`` (and the residual when ``return_residual``).
@@ -68,7 +71,7 @@ def dot_product_attention(
     return flax_compatible_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-        implementation=implementation, return_residual=return_residual)
+        implementation=implementation, return_residual=return_residual, float32_precision=float32_precision)
 
 
 def flax_compatible_attention(
@@ -87,6 +90,7 @@ def flax_compatible_attention(
     return_residual: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``dot_product_attention`` plus attention dropout (for the Flax adapter); same arguments otherwise."""
     if implementation == "cudnn":
@@ -112,7 +116,8 @@ def flax_compatible_attention(
     left, right = _local_window(local_window_size)
     rate = _validation.dropout_rate(dropout_rate)
     config = ScoreConfig(softmax_scale=softmax_scale, causal=_validation.static_bool("is_causal", is_causal),
-                         align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate)
+                         align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate,
+                         allow_tf32=_validation.allow_tf32(float32_precision))
     masks = _validation.mask_operands(query, key, alibi_slopes=None, q_seqlens=query_seq_lengths,
                                       kv_seqlens=key_value_seq_lengths, q_segment_ids=None, kv_segment_ids=None)
     dense = _validation.dense_operands(query, key, bias=bias, mask=mask, dropout_rate=rate, dropout_rng=dropout_rng)
