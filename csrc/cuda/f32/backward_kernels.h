@@ -1,7 +1,8 @@
 // Exact-float32 backward, the same three passes as the sm80 kernels and no atomics (deterministic):
 //   1. softmax_d = rowsum(dO * O) - dlse (sm80's row kernel, instantiated for float)
 //   2. dK, dV: one CTA per 64-key tile and KV head, looping over the query heads of its GQA group and their
-//      visible query tiles: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ and dSᵀ staged in shared memory, dV += Pᵀ dO, dK += dSᵀ Q.
+//      visible query tiles: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then Pᵀ and dSᵀ take turns in one shared score tile for
+//      dV += Pᵀ dO and dK += dSᵀ Q.
 //   3. dQ: one CTA per 64-query tile and head: dP = dO Vᵀ, S = Q Kᵀ, dS staged, dQ += dS K.
 #pragma once
 
@@ -30,8 +31,8 @@ __device__ __forceinline__ void probability_and_grad(const AttentionParams& p, c
   *dscore = pr * (dp - softmax_d) * grad;
 }
 
-// Query tiles of the dK/dV pass hold 64 rows up to head dim 128 and 32 above, so that K, V, Q, dO and the two
-// score tiles fit in shared memory.
+// Query tiles of the dK/dV pass hold 64 rows up to head dim 128 and 32 above, so that K, V, Q, dO and the
+// score tile fit in shared memory (A100's 163 KiB at head dim 128).
 template <int kHeadDim>
 struct DkdvGeometry {
   static constexpr int kQueryRows = kHeadDim <= 128 ? 64 : 32;
@@ -39,7 +40,7 @@ struct DkdvGeometry {
   static constexpr int kKeyElems = kTileRows * padded_stride<kHeadDim>();
   static constexpr int kQueryElems = kQueryRows * padded_stride<kHeadDim>();
   static constexpr int kScoreElems = kTileRows * (kQueryRows + 4);
-  static constexpr int kBytes = (2 * kKeyElems + 2 * kQueryElems + 2 * kScoreElems + 2 * kQueryRows) * 4;
+  static constexpr int kBytes = (2 * kKeyElems + 2 * kQueryElems + kScoreElems + 2 * kQueryRows) * 4;
 };
 
 template <int kHeadDim, bool kTransforms>
@@ -53,9 +54,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
   float* smem_v = smem_k + G::kKeyElems;
   float* smem_q = smem_v + G::kKeyElems;
   float* smem_do = smem_q + G::kQueryElems;
-  float* smem_pt = smem_do + G::kQueryElems;
-  float* smem_dst = smem_pt + G::kScoreElems;
-  float* smem_lse = smem_dst + G::kScoreElems;
+  float* smem_scores = smem_do + G::kQueryElems;  // Pᵀ, then dSᵀ
+  float* smem_lse = smem_scores + G::kScoreElems;
   float* smem_d = smem_lse + kQueryRows;
 
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kTileRows));
@@ -114,13 +114,19 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
           float prob, dscore;
           probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
                                             smem_lse[row], smem_d[row], &prob, &dscore);
-          smem_pt[key * (kQueryRows + 4) + row] = prob;
-          smem_dst[key * (kQueryRows + 4) + row] = dscore;
+          smem_scores[key * (kQueryRows + 4) + row] = prob;
+          dpt[r][c] = dscore;  // kept for the second half
         }
       }
       __syncthreads();
-      tile_ab_accumulate<kHeadDim, kQueryRows>(smem_pt, smem_do, t, dv);
-      tile_ab_accumulate<kHeadDim, kQueryRows>(smem_dst, smem_q, t, dk);
+      tile_ab_accumulate<kHeadDim, kQueryRows>(smem_scores, smem_do, t, dv);
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) smem_scores[(t.ty + 16 * r) * (kQueryRows + 4) + t.tx + 16 * c] = dpt[r][c];
+      __syncthreads();
+      tile_ab_accumulate<kHeadDim, kQueryRows>(smem_scores, smem_q, t, dk);
     }
   }
   float scale[kRowsPerThread], one[kRowsPerThread];

@@ -22,7 +22,7 @@ struct ForwardSmem {
 };
 
 template <int kHeadDim, bool kTransforms>
-__global__ void __launch_bounds__(kThreads, 2) forward_kernel(const AttentionParams p, bool vectorized) {
+__global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_kernel(const AttentionParams p, bool vectorized) {
   constexpr int kCols = kTileRows / kGroupLanes;  // score columns per thread
   constexpr int kOutCols = kHeadDim / 16;
   extern __shared__ __align__(16) float smem[];

@@ -1,6 +1,8 @@
-// Host launchers of the exact-float32 kernels for one head dim; instantiated once per generated .cu.
+// Host launchers of the float32 kernels for one head dim; instantiated once per generated .cu. p.allow_tf32
+// picks the TF32 tensor-core forward; the backward is the exact SIMT one in both modes (see launchers.h).
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -10,6 +12,7 @@
 #include "backward_kernels.h"
 #include "forward_kernel.h"
 #include "launchers.h"
+#include "tf32_forward_kernel.h"
 
 namespace jax_flash::cuda::f32 {
 
@@ -25,13 +28,37 @@ inline std::string unsupported(const AttentionParams& p) {
   return {};
 }
 
+// A readable error where a head dim's tiles need more shared memory than this GPU gives a block (head dims 192
+// and 256 need sm90's 227 KiB).
+inline std::string check_smem(int bytes, int head_dim) {
+  int device = 0, limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return sm80::last_launch_error("float32 kernels: querying the shared memory limit");
+  if (bytes <= limit) return {};
+  return "the float32 kernels for head dim " + std::to_string(head_dim) + " need " + std::to_string(bytes) +
+         " bytes of shared memory per block; this GPU allows " + std::to_string(limit);
+}
+
 template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = unsupported(p); !err.empty()) return err;
+  unsigned grid = 0;
+  if (p.allow_tf32) {
+    using G = Tf32ForwardGeometry<kHeadDim>;
+    auto kernel = transforms_scores(p) ? tf32_forward_kernel<kHeadDim, true> : tf32_forward_kernel<kHeadDim, false>;
+    if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
+    if (std::string err = sm80::allow_dynamic_smem(kernel, G::kBytes); !err.empty()) return err;
+    if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, G::kBlockM), p.heads_q, p.batch, &grid); !err.empty())
+      return err;
+    if (grid == 0) return {};
+    kernel<<<grid, G::kThreads, G::kBytes, stream>>>(p, rows_are_16b_aligned(p));
+    return sm80::last_launch_error("float32 (TF32) forward kernel launch");
+  }
   constexpr int kSmemBytes = ForwardSmem<kHeadDim>::kBytes;
   auto kernel = transforms_scores(p) ? forward_kernel<kHeadDim, true> : forward_kernel<kHeadDim, false>;
+  if (std::string err = check_smem(kSmemBytes, kHeadDim); !err.empty()) return err;
   if (std::string err = sm80::allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
-  unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, kTileRows), p.heads_q, p.batch, &grid); !err.empty())
     return err;
   if (grid == 0) return {};
@@ -42,6 +69,9 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
 template <int kHeadDim>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (std::string err = unsupported(p); !err.empty()) return err;
+  if (std::string err = check_smem(std::max(DkdvGeometry<kHeadDim>::kBytes, DqSmem<kHeadDim>::kBytes), kHeadDim);
+      !err.empty())
+    return err;
   const bool vectorized = rows_are_16b_aligned(p) && sm80::aligned16(p.d_o);
   const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
   const int64_t row_blocks = ceil_div(rows, sm80::kRowKernelWarps);

@@ -10,9 +10,13 @@
 
 namespace jax_flash::cuda::f32 {
 
-// Exact float32: every product and sum is a float32 FMA (no tensor cores).
+// p.allow_tf32: TF32 tensor cores (operands rounded to TF32, float32 accumulation); otherwise exact float32,
+// every product and sum a float32 FMA.
 template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
+
+// Exact float32 in both modes for now (a TF32 backward is future work): the gradients are at least as accurate
+// as the TF32 mode promises.
 
 template <int kHeadDim>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
