@@ -7,6 +7,9 @@ backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
+--float32 instead compares float32 inputs: jax_flash in both float32 modes (TF32 tensor cores and exact SIMT)
+against XLA's float32 attention (jax.nn, implementation="xla") at the default matmul precision and at "highest",
+all in the same run (attention_float32_<gpu>_<date>.json).
 --memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
 """
@@ -25,6 +28,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 TOKENS = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
 IMPLEMENTATIONS = ("jax_flash_sm80", "cudnn", "xla")
+FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
 
 
 def attention_fn(implementation: str, causal: bool):
@@ -34,6 +38,17 @@ def attention_fn(implementation: str, causal: bool):
 
     if implementation == "jax_flash_sm80":
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal)
+    if implementation in ("jax_flash_tf32", "jax_flash_f32_highest"):
+        mode = "tf32" if implementation == "jax_flash_tf32" else "highest"
+        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, float32_precision=mode)
+    if implementation in ("xla_f32_default", "xla_f32_highest"):
+        def xla_float32(q, k, v):  # the precision applies while jit traces the function
+            if implementation == "xla_f32_default":
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+            with jax.default_matmul_precision("highest"):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+        return xla_float32
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
@@ -58,7 +73,8 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
     batch, heads = TOKENS // seqlen, MODEL_WIDTH // head_dim
     keys = jax.random.split(jax.random.key(seqlen + head_dim), 4)
     shape = (batch, seqlen, heads, head_dim)
-    q, k, v, d_o = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    dtype = jnp.float32 if implementation in FLOAT32_IMPLEMENTATIONS else jnp.bfloat16
+    q, k, v, d_o = (jax.random.normal(key, shape, dtype) for key in keys)
     attend = attention_fn(implementation, causal)
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
     row = {"impl": implementation, "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads,
@@ -118,7 +134,7 @@ def versions() -> dict:
     return info
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, implementations=IMPLEMENTATIONS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +146,7 @@ def plot(rows: list[dict], path: str) -> None:
         for causal_index, causal in enumerate((False, True)):
             for pass_index, key in enumerate(("fwd_tflops", "bwd_tflops")):
                 ax = axes[2 * causal_index + pass_index][col]
-                for implementation in IMPLEMENTATIONS:
+                for implementation in implementations:
                     points = sorted((r["seqlen"], r[key]) for r in rows if r["impl"] == implementation
                                     and r["head_dim"] == head_dim and r["causal"] == causal and r[key] is not None)
                     if points:
@@ -149,7 +165,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS)
+    parser.add_argument("--float32", action="store_true",
+                        help="float32 inputs: jax_flash tf32/highest vs XLA float32 default/highest")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
@@ -162,6 +180,8 @@ def main() -> None:
 
     import jax
 
+    if args.impls is None:
+        args.impls = list(FLOAT32_IMPLEMENTATIONS if args.float32 else IMPLEMENTATIONS)
     rows = []
     for head_dim in args.head_dims:
         for causal in (False, True):
@@ -178,19 +198,22 @@ def main() -> None:
     gpu = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"attention_{gpu.replace(' ', '_')}_{date}")
+    kind = "attention_float32" if args.float32 else "attention"
+    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}")
     result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
     if memory:
         result["peak_memory"] = memory
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, stem + ".png")
-    print_ratio_table(rows)
+    plot(rows, stem + ".png", args.impls)
+    print_ratio_table(rows, "xla_f32_highest" if args.float32 else "cudnn", args.impls)
+    if args.float32:
+        print_ratio_table(rows, "xla_f32_default", args.impls)
     print(f"wrote {stem}.json and .png")
 
 
-def print_ratio_table(rows: list[dict]) -> None:
-    """jax_flash / cuDNN per cell, fwd and bwd."""
+def print_ratio_table(rows: list[dict], baseline: str = "cudnn", implementations=IMPLEMENTATIONS) -> None:
+    """jax_flash / baseline per cell, fwd and bwd."""
     def lookup(impl, r):
         for other in rows:
             if (other["impl"] == impl and other["head_dim"] == r["head_dim"] and other["seqlen"] == r["seqlen"]
@@ -198,15 +221,15 @@ def print_ratio_table(rows: list[dict]) -> None:
                 return other
         return None
 
-    print("ratio to cuDNN (fwd / bwd):")
+    print(f"ratio to {baseline} (fwd / bwd):")
     for r in rows:
-        if r["impl"] != "jax_flash_sm80":
+        if not r["impl"].startswith("jax_flash") or r["impl"] not in implementations:
             continue
-        ref = lookup("cudnn", r)
+        ref = lookup(baseline, r)
         if ref is None:
             continue
         ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
-        print(f"  d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
+        print(f"  {r['impl']:22s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d}: "
               f"{ratio('fwd_tflops')} / {ratio('bwd_tflops')}")
 
 
