@@ -201,10 +201,9 @@ def test_float32_shapes(precision, head_dim, seqlens):
 
 @pytest.mark.parametrize("precision", FLOAT32_MODES)
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("heads", ((8, 2), (4, 1)), ids=("gqa", "mqa"))
-@pytest.mark.parametrize("seqlens", ((40, 300), (300, 40)), ids=lambda s: f"{s[0]}x{s[1]}")
-def test_float32_features(precision, feature, heads, seqlens):
-    case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1], head_dim=64,
+@pytest.mark.parametrize("shape", ((40, 300, 8, 2), (300, 40, 4, 1)), ids=("40x300-gqa", "300x40-mqa"))
+def test_float32_features(precision, feature, shape):
+    case = Case(seqlen_q=shape[0], seqlen_k=shape[1], heads_q=shape[2], heads_kv=shape[3], head_dim=64,
                 dtype=jnp.float32, seed=len(feature) + 5)
     check_float32_on_gpu(case, precision, **feature_kwargs(feature, case))
 

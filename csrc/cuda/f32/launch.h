@@ -1,5 +1,5 @@
 // Host launchers of the float32 kernels for one head dim; instantiated once per generated .cu. p.allow_tf32
-// picks the TF32 tensor-core forward; the backward is the exact SIMT one in both modes (see launchers.h).
+// picks the TF32 tensor-core kernels (the backward's up to head dim 128; above, it is the exact one).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include "backward_kernels.h"
 #include "forward_kernel.h"
 #include "launchers.h"
+#include "tf32_backward_kernels.h"
 #include "tf32_forward_kernel.h"
 
 namespace jax_flash::cuda::f32 {
@@ -67,6 +68,29 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <int kHeadDim>
+std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool transforms,
+                                cudaStream_t stream) {
+  using G = Tf32BackwardGeometry<kHeadDim>;
+  if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
+  auto dkdv = transforms ? tf32_dkdv_kernel<kHeadDim, true> : tf32_dkdv_kernel<kHeadDim, false>;
+  if (std::string err = sm80::allow_dynamic_smem(dkdv, G::kBytes); !err.empty()) return err;
+  unsigned grid = 0;
+  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, G::kBlock), p.heads_kv, p.batch, &grid); !err.empty())
+    return err;
+  if (grid > 0) {
+    dkdv<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
+    if (std::string err = sm80::last_launch_error("float32 (TF32) dK/dV kernel launch"); !err.empty()) return err;
+  }
+  auto dq = transforms ? tf32_dq_kernel<kHeadDim, true> : tf32_dq_kernel<kHeadDim, false>;
+  if (std::string err = sm80::allow_dynamic_smem(dq, G::kBytes); !err.empty()) return err;
+  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, G::kBlock), p.heads_q, p.batch, &grid); !err.empty())
+    return err;
+  if (grid == 0) return {};
+  dq<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
+  return sm80::last_launch_error("float32 (TF32) dQ kernel launch");
+}
+
+template <int kHeadDim>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (std::string err = unsupported(p); !err.empty()) return err;
   if (std::string err = check_smem(std::max(DkdvGeometry<kHeadDim>::kBytes, DqSmem<kHeadDim>::kBytes), kHeadDim);
@@ -81,6 +105,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     if (std::string err = sm80::last_launch_error("float32 softmax_d kernel launch"); !err.empty()) return err;
   }
   const bool transforms = transforms_scores(p);
+  if constexpr (kHeadDim <= 128) {
+    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, transforms, stream);
+  }
 
   constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
   auto dkdv = transforms ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;

@@ -15,8 +15,8 @@ namespace jax_flash::cuda::f32 {
 template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
-// Exact float32 in both modes for now (a TF32 backward is future work): the gradients are at least as accurate
-// as the TF32 mode promises.
+// Likewise, except that head dims above 128 run the exact backward in both modes (the TF32 one keeps two
+// 16 x head_dim accumulators per warp in registers).
 
 template <int kHeadDim>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);

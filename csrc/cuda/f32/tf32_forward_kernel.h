@@ -81,13 +81,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; summed over the quad at the end
   float acc[kKSteps][4];
-#pragma unroll
-  for (int t = 0; t < kKSteps; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[t][e] = 0.0f;
-
-  const float* q_row0 = smem_q + (warp_row + lane.g) * G::kStrideQK + 2 * lane.q;
-  const float* q_row1 = q_row0 + 8 * G::kStrideQK;
+  zero(acc);
   for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
     const int64_t n0 = int64_t(n_block) * kBlockN;
     // K of this tile is in smem. V loads while S is computed.
@@ -96,22 +90,8 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     cp_async_commit();
 
     float s[kNTiles][4];
-#pragma unroll
-    for (int t = 0; t < kNTiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
-#pragma unroll 4
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const float2 x = *reinterpret_cast<const float2*>(q_row0 + 8 * ks);
-      const float2 y = *reinterpret_cast<const float2*>(q_row1 + 8 * ks);
-      const uint32_t a[4] = {to_tf32(x.x), to_tf32(y.x), to_tf32(x.y), to_tf32(y.y)};
-#pragma unroll
-      for (int t = 0; t < kNTiles; ++t) {
-        const float2 b = *reinterpret_cast<const float2*>(smem_k + (8 * t + lane.g) * G::kStrideQK + 8 * ks +
-                                                          2 * lane.q);
-        Mma16x8x8::run(s[t], a, to_tf32(b.x), to_tf32(b.y));
-      }
-    }
+    zero(s);
+    warp_abt<kHeadDim, kNTiles, G::kStrideQK, G::kStrideQK>(smem_q + warp_row * G::kStrideQK, smem_k, lane, s);
     __syncthreads();  // every warp is done with K
     if (n_block + 1 < key_tiles.end) {
       load_tile_async<kBlockN, kHeadDim, G::kStrideQK, G::kThreads>(
@@ -162,14 +142,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
 
     cp_async_wait<1>();  // V
     __syncthreads();
-#pragma unroll
-    for (int kt = 0; kt < kNTiles; ++kt) {
-      // P's C fragment as an A fragment (k-slot q = key 2q, slot q + 4 = key 2q + 1).
-      const uint32_t a[4] = {to_tf32(s[kt][0]), to_tf32(s[kt][2]), to_tf32(s[kt][1]), to_tf32(s[kt][3])};
-      const float* v0 = smem_v + (8 * kt + 2 * lane.q) * G::kStrideV + lane.g;
-#pragma unroll
-      for (int t = 0; t < kKSteps; ++t) Mma16x8x8::run(acc[t], a, to_tf32(v0[8 * t]), to_tf32(v0[G::kStrideV + 8 * t]));
-    }
+    warp_pb<kNTiles, kKSteps, G::kStrideV>(s, smem_v, lane, acc);
     cp_async_wait<0>();  // next K
     __syncthreads();     // every warp is done with V, and the next K is visible
   }

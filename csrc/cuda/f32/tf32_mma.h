@@ -39,6 +39,50 @@ struct LaneCoord {
 };
 __device__ inline LaneCoord lane_coord() { return {int(threadIdx.x % 32) / 4, int(threadIdx.x % 4)}; }
 
+// acc[t] += A Bᵀ for the warp's 16 rows of `a` (row 0 at a, stride kStrideA) and the rows 8 t + g of `b` (stride
+// kStrideB), over kDepth columns: S = Q Kᵀ and its kin. Both operands are read as float2 at column 2 q of each
+// 8-wide chunk (k-slots q and q + 4) and rounded to TF32.
+template <int kDepth, int kNTiles, int kStrideA, int kStrideB>
+__device__ __forceinline__ void warp_abt(const float* a, const float* b, LaneCoord lane, float (&acc)[kNTiles][4]) {
+  const float* a0 = a + lane.g * kStrideA + 2 * lane.q;
+  const float* a1 = a0 + 8 * kStrideA;
+  const float* b0 = b + lane.g * kStrideB + 2 * lane.q;
+#pragma unroll 4
+  for (int ks = 0; ks < kDepth / 8; ++ks) {
+    const float2 x = *reinterpret_cast<const float2*>(a0 + 8 * ks);
+    const float2 y = *reinterpret_cast<const float2*>(a1 + 8 * ks);
+    const uint32_t frag[4] = {to_tf32(x.x), to_tf32(y.x), to_tf32(x.y), to_tf32(y.y)};
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+      const float2 w = *reinterpret_cast<const float2*>(b0 + 8 * t * kStrideB + 8 * ks);
+      Mma16x8x8::run(acc[t], frag, to_tf32(w.x), to_tf32(w.y));
+    }
+  }
+}
+
+// acc[t] += P B for a score-shaped C fragment p (16 rows x 8 kKTiles columns, e.g. P or dS) and the
+// [8 kKTiles, 8 kNTiles] tile b (stride kStrideB): O += P V and its kin. P's C fragment is its A fragment under
+// the k-slot order above; b is read as scalars at rows 8 kt + 2 q (+1), column 8 t + g.
+template <int kKTiles, int kNTiles, int kStrideB>
+__device__ __forceinline__ void warp_pb(const float (&p)[kKTiles][4], const float* b, LaneCoord lane,
+                                        float (&acc)[kNTiles][4]) {
+#pragma unroll
+  for (int kt = 0; kt < kKTiles; ++kt) {
+    const uint32_t frag[4] = {to_tf32(p[kt][0]), to_tf32(p[kt][2]), to_tf32(p[kt][1]), to_tf32(p[kt][3])};
+    const float* b0 = b + (8 * kt + 2 * lane.q) * kStrideB + lane.g;
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) Mma16x8x8::run(acc[t], frag, to_tf32(b0[8 * t]), to_tf32(b0[kStrideB + 8 * t]));
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void zero(float (&x)[kRows][kCols]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) x[r][c] = 0.0f;
+}
+
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_bytes = fill ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
