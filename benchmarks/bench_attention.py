@@ -182,6 +182,19 @@ def main() -> None:
 
     if args.impls is None:
         args.impls = list(FLOAT32_IMPLEMENTATIONS if args.float32 else IMPLEMENTATIONS)
+    gpu = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    kind = "attention_float32" if args.float32 else "attention"
+    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}")
+
+    def write(rows, memory=()):  # after every row, so that a run cut short still leaves its results
+        result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
+        if memory:
+            result["peak_memory"] = list(memory)
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+
     rows = []
     for head_dim in args.head_dims:
         for causal in (False, True):
@@ -193,19 +206,14 @@ def main() -> None:
                     bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
                     print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {implementation:15s} "
                           f"fwd {fwd:>6s} bwd {bwd:>6s} {r.get('error', '')}", flush=True)
+                    write(rows)
     memory = run_memory_benchmark(args.memory_seqlen) if args.memory else []
 
-    gpu = jax.devices()[0].device_kind
-    date = datetime.date.today().isoformat()
-    os.makedirs(args.out_dir, exist_ok=True)
-    kind = "attention_float32" if args.float32 else "attention"
-    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}")
-    result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
-    if memory:
-        result["peak_memory"] = memory
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    plot(rows, stem + ".png", args.impls)
+    write(rows, memory)
+    try:
+        plot(rows, stem + ".png", args.impls)
+    except ImportError as error:  # matplotlib is optional
+        print(f"no plot: {error}")
     print_ratio_table(rows, "xla_f32_highest" if args.float32 else "cudnn", args.impls)
     if args.float32:
         print_ratio_table(rows, "xla_f32_default", args.impls)
