@@ -40,13 +40,14 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
     return_residual: bool = False,
-    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Signature- and semantics-compatible with ``jax.nn.dot_product_attention``.
 
     Unlike ``jax_flash.attention``, the causal mask and local window are aligned top-left (query ``i`` sees
     keys ``j <= i``), as in ``jax.nn``. Rows that see no key (e.g. padding rows past ``query_seq_lengths``)
-    give 0 here, where ``jax.nn``'s XLA path gives an average of the values.
+    give 0 here, where ``jax.nn``'s XLA path gives an average of the values. float32 inputs on the GPU run on
+    TF32 tensor cores, as ``jax.nn``'s XLA path does at the default matmul precision; for exact float32 use
+    ``jax_flash.attention(..., float32_precision="highest")``.
 
     Args:
       query: ``[batch, seqlen_q, heads_q, head_dim]`` or ``[seqlen_q, heads_q, head_dim]``.
@@ -62,8 +63,6 @@ def dot_product_attention(
       implementation: ``None`` for the jax_flash kernels, ``"xla"`` for jax_flash's pure-JAX path, ``"cudnn"``
         to call ``jax.nn.dot_product_attention(implementation="cudnn")`` itself.
       return_residual: also return the log-sum-exp, ``[batch, seqlen_q, heads_q]`` in the output dtype.
-      float32_precision: jax_flash's extra argument (not in ``jax.nn``): for float32 inputs on the GPU,
-        ``"tf32"`` (default) or ``"highest"``; see ``jax_flash.attention``.
 
     Returns:
       The attention output shaped like ``query`` (and the residual when ``return_residual``).
@@ -71,7 +70,7 @@ def dot_product_attention(
     return flax_compatible_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-        implementation=implementation, return_residual=return_residual, float32_precision=float32_precision)
+        implementation=implementation, return_residual=return_residual)
 
 
 def flax_compatible_attention(
