@@ -171,10 +171,23 @@ int main() {
     {{"gqa4 causal 300x40 (rows see nothing)", 1, 300, 40, 4, 1, 64, true}, 64},
     {{"window 40/10 200x150 unaligned-path", 1, 200, 150, 2, 2, 64, false, 40, 10, 0, false, {}, {}, false, true}, 64},
     {{"left window causal 129x257 d=128 kvlens", 2, 129, 257, 2, 1, 128, true, 30, -1, 0, false, {129, 60}, {257, 100}}, 128},
+    {{"d=32 softcap 50x90", 1, 50, 90, 2, 1, 32, false, -1, -1, 1.5f}, 32},
+    {{"d=96 causal gqa 80x80", 1, 80, 80, 4, 2, 90, true}, 96},
+    {{"d=192 window 70x70", 1, 70, 70, 2, 2, 192, false, 20, 20}, 192},
+    {{"d=256 causal 66x100 segments", 1, 66, 100, 2, 1, 250, true, -1, -1, 0, false, {}, {}, true}, 256},
   };
   int fails = 0;
   for (auto& [c, D] : cases)
-    for (bool tf32 : {false, true}) fails += D == 64 ? run_case<64>(c, tf32) : run_case<128>(c, tf32);
+    for (bool tf32 : {false, true}) {
+      switch (D) {
+        case 32: fails += run_case<32>(c, tf32); break;
+        case 64: fails += run_case<64>(c, tf32); break;
+        case 96: fails += run_case<96>(c, tf32); break;
+        case 128: fails += run_case<128>(c, tf32); break;
+        case 192: fails += run_case<192>(c, tf32); break;
+        default: fails += run_case<256>(c, tf32); break;
+      }
+    }
   std::printf("%s (%d failures)\n", fails ? "FAILED" : "ALL OK", fails);
   return fails != 0;
 }
