@@ -6,9 +6,10 @@ backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls after war
 backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
-      [--impls jax_flash_sm90 cudnn] [--forward-only]
+      [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout] [--float32]
 jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md).
-      [--features none padding_mask dropout]   (padding mask / dropout rows; see --help)
+--features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
+highest) with XLA float32 attention at default and "highest" matmul precision.
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
 --memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
@@ -29,6 +30,7 @@ TOKENS = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
 IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
 KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
+FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
 
 
 FEATURES = ("none", "padding_mask", "dropout")
@@ -49,6 +51,17 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
 
     import jax_flash
 
+    if implementation in ("jax_flash_tf32", "jax_flash_f32_highest"):
+        mode = "tf32" if implementation == "jax_flash_tf32" else "highest"
+        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, float32_precision=mode)
+    if implementation in ("xla_f32_default", "xla_f32_highest"):
+        def xla_float32(q, k, v):  # the precision applies while jit traces the function
+            if implementation == "xla_f32_default":
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+            with jax.default_matmul_precision("highest"):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+        return xla_float32
     mask = padding_mask(batch, seqlen) if feature == "padding_mask" else None
     if implementation in KERNEL_FAMILY:
         extra = {"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout" else {}
@@ -96,7 +109,8 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
     batch, heads = TOKENS // seqlen, MODEL_WIDTH // head_dim
     keys = jax.random.split(jax.random.key(seqlen + head_dim), 4)
     shape = (batch, seqlen, heads, head_dim)
-    q, k, v, d_o = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    dtype = jnp.float32 if implementation in FLOAT32_IMPLEMENTATIONS else jnp.bfloat16
+    q, k, v, d_o = (jax.random.normal(key, shape, dtype) for key in keys)
     attend = attention_fn(implementation, causal, feature, batch, seqlen)
     # FLOPs of the unmasked problem for every feature, so a padding mask shows up as time saved (or not).
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
@@ -163,7 +177,7 @@ def versions() -> dict:
     return info
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, implementations=IMPLEMENTATIONS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +189,7 @@ def plot(rows: list[dict], path: str) -> None:
         for causal_index, causal in enumerate((False, True)):
             for pass_index, key in enumerate(("fwd_tflops", "bwd_tflops")):
                 ax = axes[2 * causal_index + pass_index][col]
-                for implementation in IMPLEMENTATIONS:
+                for implementation in implementations:
                     points = sorted((r["seqlen"], r[key]) for r in rows
                                     if r["impl"] == implementation and r.get("feature", "none") == "none"
                                     and r["head_dim"] == head_dim and r["causal"] == causal and r[key] is not None)
@@ -195,7 +209,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS)
+    parser.add_argument("--float32", action="store_true",
+                        help="float32 inputs: jax_flash tf32/highest vs XLA float32 default/highest")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--forward-only", action="store_true", help="skip the backward timings")
     parser.add_argument("--features", nargs="+", default=["none"], choices=FEATURES,
@@ -212,6 +228,21 @@ def main() -> None:
 
     import jax
 
+    if args.impls is None:
+        args.impls = list(FLOAT32_IMPLEMENTATIONS if args.float32 else IMPLEMENTATIONS)
+    gpu = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out_dir, exist_ok=True)
+    kind = "attention_float32" if args.float32 else "attention"
+    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}")
+
+    def write(rows, memory=()):  # after every row, so that a run cut short still leaves its results
+        result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
+        if memory:
+            result["peak_memory"] = list(memory)
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+
     rows = []
     for head_dim in args.head_dims:
         for causal in (False, True):
@@ -224,26 +255,24 @@ def main() -> None:
                         fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
                         bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
                         print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {feature:12s} "
-                              f"{implementation:15s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
+                              f"{implementation:22s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
                               f"{r.get('error', '')}", flush=True)
+                        write(rows)
     memory = run_memory_benchmark(args.memory_seqlen) if args.memory else []
 
-    gpu = jax.devices()[0].device_kind
-    date = datetime.date.today().isoformat()
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"attention_{gpu.replace(' ', '_')}_{date}")
-    result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
-    if memory:
-        result["peak_memory"] = memory
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    plot(rows, stem + ".png")
-    print_ratio_table(rows)
+    write(rows, memory)
+    try:
+        plot(rows, stem + ".png", args.impls)
+    except ImportError as error:  # matplotlib is optional
+        print(f"no plot: {error}")
+    print_ratio_table(rows, "xla_f32_highest" if args.float32 else "cudnn", args.impls)
+    if args.float32:
+        print_ratio_table(rows, "xla_f32_default", args.impls)
     print(f"wrote {stem}.json and .png")
 
 
-def print_ratio_table(rows: list[dict]) -> None:
-    """jax_flash / cuDNN per cell, fwd and bwd."""
+def print_ratio_table(rows: list[dict], baseline: str = "cudnn", implementations=IMPLEMENTATIONS) -> None:
+    """jax_flash / baseline per cell, fwd and bwd."""
     def lookup(impl, r):
         for other in rows:
             if (other["impl"] == impl and other["head_dim"] == r["head_dim"] and other["seqlen"] == r["seqlen"]
@@ -251,17 +280,17 @@ def print_ratio_table(rows: list[dict]) -> None:
                 return other
         return None
 
-    print("ratio to cuDNN (fwd / bwd):")
+    print(f"ratio to {baseline} (fwd / bwd):")
     for r in rows:
-        if r["impl"] not in KERNEL_FAMILY:
+        if not r["impl"].startswith("jax_flash") or r["impl"] not in implementations:
             continue
-        ref = lookup("cudnn", r)
+        ref = lookup(baseline, r)
         if ref is None:
             continue
         ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
         print(f"  {r['impl']:15s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d} "
               f"{r.get('feature', 'none')}: {ratio('fwd_tflops')} / {ratio('bwd_tflops')}"
-              + (" (cuDNN without dropout)" if r.get("feature") == "dropout" else ""))
+              + (f" ({baseline} without dropout)" if r.get("feature") == "dropout" else ""))
 
 
 if __name__ == "__main__":

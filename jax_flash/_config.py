@@ -16,7 +16,8 @@ class ScoreConfig:
     Query row ``i`` sits at key column ``diag(i) = i + diagonal_offset`` plus, when ``align_to_sequence_end``,
     ``kv_len - q_len`` of its sequence (FlashAttention's bottom-right convention). ``causal`` keeps
     ``j <= diag(i)``; the window keeps ``diag(i) - window_left <= j <= diag(i) + window_right`` (-1: unbounded).
-    ``dropout_rate`` needs ``DenseOperands.dropout_seeds``.
+    ``dropout_rate`` needs ``DenseOperands.dropout_seeds``. ``allow_tf32``: float32 inputs may be multiplied on
+    TF32 tensor cores on the GPU (float32 accumulation); False keeps every product in float32.
     """
 
     softmax_scale: float
@@ -28,6 +29,7 @@ class ScoreConfig:
     window_right: int = -1
     deterministic: bool = False
     dropout_rate: float = 0.0
+    allow_tf32: bool = False
 
 
 class MaskOperands(NamedTuple):

@@ -23,6 +23,7 @@ def _score_attributes(config: ScoreConfig) -> dict[str, object]:
         window_left=np.int64(config.window_left),
         window_right=np.int64(config.window_right),
         dropout_rate=np.float32(config.dropout_rate),
+        allow_tf32=bool(config.allow_tf32),
     )
 
 

@@ -16,6 +16,26 @@ from jax_flash._config import DenseOperands, MaskOperands
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+FLOAT32_PRECISIONS = ("tf32", "highest")
+
+
+def allow_tf32(value: object) -> bool:
+    """``float32_precision`` as the kernels take it: True for ``"tf32"``, False for ``"highest"``.
+
+    Also accepts ``jax.lax.Precision`` (and its string names): ``DEFAULT`` means TF32 as it does for XLA's float32
+    matmuls on the GPU; ``HIGH`` and ``HIGHEST`` ask for more than TF32, so they get exact float32.
+    """
+    if isinstance(value, jax.lax.Precision):
+        return value == jax.lax.Precision.DEFAULT
+    if isinstance(value, str):
+        name = value.lower()
+        if name in ("tf32", "tensorfloat32", "default", "bfloat16", "fastest"):
+            return True
+        if name in ("highest", "float32", "high", "bfloat16_3x"):
+            return False
+    raise ValueError(f"float32_precision must be 'tf32' or 'highest' (or a jax.lax.Precision), got {value!r}")
+
+
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, allow_float64: bool = False) -> None:
     """Checks ranks, dtypes and the BSHD shape contract of q, k, v (float64 only for the reference path)."""
     allowed = SUPPORTED_DTYPES + ((jnp.dtype(jnp.float64),) if allow_float64 else ())

@@ -110,6 +110,7 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     implementation: Implementation = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head attention ``softmax(mask(score(q kᵀ))) v`` without materialising the score matrix.
 
@@ -120,7 +121,8 @@ def attention(
     Rows that see no key give ``o = 0`` and ``lse = -inf``, never NaN.
 
     Args:
-      q: ``[batch, seqlen_q, heads_q, head_dim]``, float32, bfloat16 or float16.
+      q: ``[batch, seqlen_q, heads_q, head_dim]``, float32, bfloat16 or float16 (float32: see
+        ``float32_precision``).
       k: ``[batch, seqlen_k, heads_kv, head_dim]``, same dtype; ``heads_q`` a multiple of ``heads_kv``
         (grouped-query / multi-query attention).
       v: like ``k``.
@@ -147,6 +149,11 @@ def attention(
         (differentiable).
       implementation: ``None`` for the jax_flash kernels of the current platform, ``"xla"`` for the pure-JAX
         reference path (materialises the score matrix; also accepts float64).
+      float32_precision: for float32 inputs on the GPU (ignored otherwise): ``"tf32"`` (default, like XLA's
+        default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation;
+        ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower). Forward and backward use the
+        same mode. Also accepts ``jax.lax.Precision``: ``DEFAULT`` is ``"tf32"``, ``HIGH``/``HIGHEST`` are
+        ``"highest"``. The CPU kernels are always exact.
 
     Returns:
       ``o`` of shape ``[batch, seqlen_q, heads_q, head_dim]`` in the input dtype, or ``(o, lse)`` when
@@ -173,6 +180,7 @@ def attention(
         window_right=right,
         deterministic=_validation.static_bool("deterministic", deterministic),
         dropout_rate=rate,
+        allow_tf32=_validation.allow_tf32(float32_precision),
     )
     masks = _validation.mask_operands(q, k, alibi_slopes=alibi_slopes, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
                                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)

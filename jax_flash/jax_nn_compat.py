@@ -45,7 +45,9 @@ def dot_product_attention(
 
     Unlike ``jax_flash.attention``, the causal mask and local window are aligned top-left (query ``i`` sees
     keys ``j <= i``), as in ``jax.nn``. Rows that see no key (e.g. padding rows past ``query_seq_lengths``)
-    give 0 here, where ``jax.nn``'s XLA path gives an average of the values.
+    give 0 here, where ``jax.nn``'s XLA path gives an average of the values. float32 inputs on the GPU run on
+    TF32 tensor cores, as ``jax.nn``'s XLA path does at the default matmul precision; for exact float32 use
+    ``jax_flash.attention(..., float32_precision="highest")``.
 
     Args:
       query: ``[batch, seqlen_q, heads_q, head_dim]`` or ``[seqlen_q, heads_q, head_dim]``.
@@ -87,6 +89,7 @@ def flax_compatible_attention(
     return_residual: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``dot_product_attention`` plus attention dropout (for the Flax adapter); same arguments otherwise."""
     if implementation == "cudnn":
@@ -112,7 +115,8 @@ def flax_compatible_attention(
     left, right = _local_window(local_window_size)
     rate = _validation.dropout_rate(dropout_rate)
     config = ScoreConfig(softmax_scale=softmax_scale, causal=_validation.static_bool("is_causal", is_causal),
-                         align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate)
+                         align_to_sequence_end=False, window_left=left, window_right=right, dropout_rate=rate,
+                         allow_tf32=_validation.allow_tf32(float32_precision))
     masks = _validation.mask_operands(query, key, alibi_slopes=None, q_seqlens=query_seq_lengths,
                                       kv_seqlens=key_value_seq_lengths, q_segment_ids=None, kv_segment_ids=None)
     dense = _validation.dense_operands(query, key, bias=bias, mask=mask, dropout_rate=rate, dropout_rng=dropout_rng)

@@ -100,7 +100,7 @@ def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None):
                             (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)))
     return call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
                 align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
-                window_right=np.int64(-1), dropout_rate=np.float32(0.0))
+                window_right=np.int64(-1), dropout_rate=np.float32(0.0), allow_tf32=False)
 
 
 def test_raw_target_accepts_consistent_buffers():
@@ -163,6 +163,9 @@ BAD_ARGUMENTS = [
     (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
     (dict(dropout_rate=0.1), ValueError, "dropout_rng"),
     (dict(implementation="triton"), ValueError, "implementation"),
+    (dict(float32_precision="fast"), ValueError, "float32_precision"),
+    (dict(float32_precision=None), ValueError, "float32_precision"),
+    (dict(float32_precision=32), ValueError, "float32_precision"),
 ]
 
 
@@ -210,7 +213,7 @@ def test_raw_target_rejects_overflowing_diagonal():
         jax.block_until_ready(call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0),
                                    causal=False, align_to_sequence_end=True, diagonal_offset=np.int64(2 ** 62),
                                    window_left=np.int64(2 ** 62), window_right=np.int64(2 ** 62),
-                                   dropout_rate=np.float32(0.0)))
+                                   dropout_rate=np.float32(0.0), allow_tf32=False))
 
 
 def test_wide_integer_lengths_and_ids_under_x64():
@@ -229,3 +232,20 @@ def test_dropout_rate_that_rounds_to_one_in_float32_is_refused():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="dropout_rate"):
         jax_flash.attention(q, k, v, dropout_rate=0.99999999, dropout_rng=jax.random.key(0))
+
+
+@pytest.mark.parametrize("precision, allow_tf32", [
+    ("tf32", True), ("highest", False), ("HIGHEST", False), (jax.lax.Precision.DEFAULT, True),
+    (jax.lax.Precision.HIGH, False), (jax.lax.Precision.HIGHEST, False), ("float32", False)])
+def test_float32_precision_reaches_the_custom_call(precision, allow_tf32):
+    q, k, v = _inputs()
+    text = jax.jit(lambda *a: jax_flash.attention(*a, float32_precision=precision)).lower(q, k, v).as_text()
+    assert f"allow_tf32 = {str(allow_tf32).lower()}" in text
+
+
+def test_float32_precision_defaults_to_tf32_and_cpu_is_exact_in_both_modes():
+    q, k, v = _inputs()
+    text = jax.jit(jax_flash.attention).lower(q, k, v).as_text()
+    assert "allow_tf32 = true" in text
+    np.testing.assert_array_equal(np.asarray(jax_flash.attention(q, k, v, float32_precision="tf32")),
+                                  np.asarray(jax_flash.attention(q, k, v, float32_precision="highest")))

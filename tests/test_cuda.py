@@ -203,12 +203,6 @@ def test_training_step_under_cuda_graphs():
     np.testing.assert_allclose(float(outputs[0][0]), float(outputs[1][0]), rtol=1e-6)
 
 
-def test_float32_is_refused_clearly():
-    q, k, v = _on(GPUS[0], *Case(dtype=jnp.float32).inputs())
-    with pytest.raises(Exception, match="float32"):
-        jax.block_until_ready(jax_flash.attention(q, k, v))
-
-
 # ---- additive bias, boolean mask, dropout (the kernels' general variant) ------------------------------------
 
 from jax_flash import _dropout  # noqa: E402
@@ -364,3 +358,94 @@ def test_deterministic_dbias_is_bit_identical(shape):
             np.testing.assert_array_equal(a, b)
     atomic = _grads_with_bias(q, k, v, d_o, bias, **kwargs)[3]
     np.testing.assert_allclose(np.asarray(atomic), runs[0][3], rtol=1e-4, atol=1e-4)
+
+
+# float32 inputs (issue #10): "highest" (exact SIMT FMA) within 1e-5 of the float64 reference, relative to the
+# reference's largest magnitude; "tf32" within the usual bound against XLA's own TF32 attention on the GPU.
+FLOAT32_MODES = ("highest", "tf32")
+EXACT_FLOAT32_RTOL = 1e-5
+
+
+def _relative_error(x, reference) -> float:
+    reference = np.asarray(reference, np.float64)
+    finite = np.isfinite(reference)
+    magnitude = float(np.max(np.abs(reference[finite]), initial=0.0))
+    return max_error(x, reference) / max(magnitude, 1e-30)
+
+
+def check_float32_on_gpu(case: Case, precision: str, gradients: bool = True, **kwargs):
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32)
+    kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
+    _poison_gpu_memory()
+    on_gpu = _on(GPUS[0], q, k, v, d_o)
+    o, lse = jax_flash.attention(*on_gpu[:3], return_lse=True, float32_precision=precision, **kwargs_gpu)
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    results = [("o", o), ("lse", lse)]
+    references = list(oracle(q, k, v, **kwargs))
+    if gradients:
+        results += list(zip(("dq", "dk", "dv"), grads(*on_gpu, float32_precision=precision, **kwargs_gpu)))
+        references += oracle_grads(q, k, v, d_o, **kwargs)
+    if precision == "highest":
+        for (name, x), reference in zip(results, references):
+            error = _relative_error(x, reference)
+            assert error <= EXACT_FLOAT32_RTOL, f"{name}: relative error {error:.2e} > {EXACT_FLOAT32_RTOL:.0e}"
+        return
+    with jax.default_matmul_precision("tensorfloat32"):
+        xla = list(jax_flash.attention(*on_gpu[:3], return_lse=True, implementation="xla", **kwargs_gpu))
+        if gradients:
+            xla += list(grads(*on_gpu, implementation="xla", **kwargs_gpu))
+    for (name, x), x_xla, reference in zip(results, xla, references):
+        assert_within_tf32_bound(name, x, x_xla, reference, scale=1.0 if name in ("o", "lse") else 4.0)
+
+
+def assert_within_tf32_bound(name, ours, xla_tf32, reference, scale):
+    """The usual bound (2 x XLA's error + atol) with XLA at "tensorfloat32". XLA turns some small dots (a
+    single query, tiny head dims) into float32 reductions whatever the precision, so its TF32 error is taken
+    to be at least one TF32 rounding (2^-11) of the reference magnitude."""
+    magnitude = max(1.0, float(np.max(np.abs(np.nan_to_num(np.asarray(reference), neginf=0.0)), initial=0.0)))
+    ours_error = max_error(ours, reference)
+    xla_error = max(max_error(xla_tf32, reference), 2.0 ** -11 * magnitude * scale)
+    atol = 2e-5 * magnitude * scale
+    assert ours_error <= 2 * xla_error + atol, (
+        f"{name}: error {ours_error:.3e} exceeds 2 x XLA TF32 error {xla_error:.3e} + atol {atol:.1e}")
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+@pytest.mark.parametrize("head_dim", (64, 128, 7, 40, 100))
+@pytest.mark.parametrize("seqlens", ((1, 1), (17, 17), (1000, 1000), (17, 300), (300, 17)),
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_float32_shapes(precision, head_dim, seqlens):
+    case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=jnp.float32, seed=head_dim + 3)
+    check_float32_on_gpu(case, precision, causal=(seqlens[0] + head_dim) % 2 == 0)
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("shape", ((40, 300, 8, 2), (300, 40, 4, 1)), ids=("40x300-gqa", "300x40-mqa"))
+def test_float32_features(precision, feature, shape):
+    case = Case(seqlen_q=shape[0], seqlen_k=shape[1], heads_q=shape[2], heads_kv=shape[3], head_dim=64,
+                dtype=jnp.float32, seed=len(feature) + 5)
+    check_float32_on_gpu(case, precision, **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+def test_float32_backward_is_bit_identical(precision):
+    case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.float32)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.float32), GPUS[0])
+    runs = [[np.asarray(g) for g in grads(q, k, v, d_o, causal=True, float32_precision=precision)]
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_float32_modes_differ_and_tf32_is_not_exact():
+    """The mode argument reaches the kernels: TF32 rounding shows up in the output, the exact mode does not."""
+    case = Case(batch=1, seqlen_q=256, seqlen_k=256, heads_q=2, heads_kv=2, head_dim=64, dtype=jnp.float32)
+    q, k, v = case.inputs()
+    o_ref, _ = oracle(q, k, v)
+    errors = {mode: _relative_error(jax_flash.attention(*_on(GPUS[0], q, k, v), float32_precision=mode), o_ref)
+              for mode in FLOAT32_MODES}
+    assert errors["highest"] <= EXACT_FLOAT32_RTOL
+    assert errors["tf32"] > 10 * errors["highest"], errors

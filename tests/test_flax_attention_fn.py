@@ -176,3 +176,14 @@ def test_mismatched_batch_dims_raise():
     _, k, v = _qkv((3,), 8, 8, 2, 2)
     with pytest.raises(ValueError, match="batch"):
         dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("precision, allow_tf32", [
+    (None, True), (jax.lax.Precision.DEFAULT, True), (jax.lax.Precision.HIGHEST, False), ("highest", False),
+    ((jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST), False),
+    ((jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT), True)])
+def test_precision_picks_the_float32_mode(precision, allow_tf32):
+    """Flax's ``precision`` becomes jax_flash's float32_precision (TF32 unless more is asked for)."""
+    q, k, v = _qkv((2,), 8, 8, 2, 2)
+    text = jax.jit(functools.partial(dot_product_attention, precision=precision)).lower(q, k, v).as_text()
+    assert f"allow_tf32 = {str(allow_tf32).lower()}" in text

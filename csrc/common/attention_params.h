@@ -60,6 +60,10 @@ struct AttentionParams {
   float softmax_scale = 1.0f;
   float softcap = 0.0f;  // 0 disables; else s = softcap * tanh(s / softcap)
 
+  // float32 inputs only: true lets the GPU multiply on TF32 tensor cores (10-bit mantissa operands, float32
+  // accumulation), false keeps every product and sum in float32. The CPU kernels are always exact.
+  bool allow_tf32 = false;
+
   // Masking by position. Query row i is "at" key column diag(i) = i + diagonal_offset, plus
   // (seqlen_k_b - seqlen_q_b) when align_to_sequence_end (FlashAttention's bottom-right convention; the
   // per-sequence lengths come from q_seqlens/kv_seqlens when given). Causal keeps j <= diag(i); a window keeps

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "launch.h"
+#include "f32/launchers.h"
 #include "sm80/launchers.h"
 #include "sm90/launchers.h"
 
@@ -46,8 +47,8 @@ int padded_head_dim(int64_t head_dim) {
 }
 
 std::string check_supported(const AttentionParams& p) {
-  if (p.element_type == ElementType::kFloat32) return "float32 is not supported on the GPU yet";
-  if (p.element_type != ElementType::kBFloat16 && p.element_type != ElementType::kFloat16) {
+  if (p.element_type != ElementType::kFloat32 && p.element_type != ElementType::kBFloat16 &&
+      p.element_type != ElementType::kFloat16) {
     return "unknown element type";
   }
   if (p.head_dim <= 0 || padded_head_dim(p.head_dim) == 0) {
@@ -184,6 +185,11 @@ std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
 std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
   if (nothing_to_do(p)) return {};
+  if (p.element_type == ElementType::kFloat32) {
+    return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+      return f32::launch_forward<decltype(dim)::value>(p, stream);
+    });
+  }
   bool use_sm90 = false;
   if (std::string err = use_sm90_forward(p, &use_sm90); !err.empty()) return err;
   if (use_sm90) return run_sm90_forward(p, stream);
@@ -202,6 +208,11 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     if (cudaMemsetAsync(p.dbias, 0, dbias_bytes, stream) != cudaSuccess) return "cudaMemsetAsync of dbias failed";
   }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
+  if (p.element_type == ElementType::kFloat32) {
+    return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+      return f32::launch_backward<decltype(dim)::value>(p, stream);
+    });
+  }
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;

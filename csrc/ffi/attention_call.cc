@@ -113,6 +113,7 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   p->diagonal_offset = a.diagonal_offset;
   p->window_left = a.window_left;
   p->window_right = a.window_right;
+  p->allow_tf32 = a.allow_tf32;
   return ffi::Error::Success();
 }
 

@@ -37,6 +37,7 @@ struct ScoreAttributes {
   int64_t window_left;
   int64_t window_right;
   float dropout_rate;
+  bool allow_tf32;
 };
 
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
@@ -64,7 +65,8 @@ auto bind_score_attributes(Binding binding) {
       .template Attr<int64_t>("diagonal_offset")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
-      .template Attr<float>("dropout_rate");
+      .template Attr<float>("dropout_rate")
+      .template Attr<bool>("allow_tf32");
 }
 
 template <typename Binding>

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
+from jax_flash import _validation
 from jax_flash.jax_nn_compat import flax_compatible_attention
 
 Array = jax.Array
@@ -83,8 +84,11 @@ def dot_product_attention(
         ``deterministic`` (a bit-reproducible backward pass).
       dtype: compute dtype; ``query``, ``key`` and ``value`` are promoted to it
         (default: their common dtype), as in Flax.
-      precision: accepted for compatibility; the kernels multiply in the input
-        dtype and always accumulate in float32.
+      precision: for float32 inputs on the GPU, as for Flax's einsums:
+        ``None`` or ``jax.lax.Precision.DEFAULT`` multiplies on TF32 tensor
+        cores, ``HIGH``/``HIGHEST`` in exact float32 (see
+        ``jax_flash.attention``'s ``float32_precision``). 16-bit inputs are
+        multiplied in their dtype; accumulation is always float32.
       module: the module Flax passes when ``sow_weights=True``; must be ``None``.
       force_fp32_for_softmax: accepted for compatibility; the kernels always
         compute the softmax in float32.
@@ -138,8 +142,20 @@ def dot_product_attention(
     out = flax_compatible_attention(
         query, key, value, bias, mask, is_causal=is_causal, implementation=implementation,
         dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
+        float32_precision=_float32_precision(precision),
     )
     return out.reshape(batch_shape + out.shape[1:])
+
+
+def _float32_precision(precision: Any) -> Any:
+    """Flax's ``precision`` (None, a ``jax.lax.Precision`` or its name, or a pair of them) as jax_flash's
+    ``float32_precision``: the more precise of a pair wins."""
+    if precision is None:
+        return "tf32"
+    if isinstance(precision, (tuple, list)):
+        tf32 = all(_validation.allow_tf32(_float32_precision(p)) for p in precision)
+        return "tf32" if tf32 else "highest"
+    return precision
 
 
 def _check_supported(

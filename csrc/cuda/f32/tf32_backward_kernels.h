@@ -1,0 +1,227 @@
+// TF32 tensor-core backward (head dims up to 128), the same passes as the exact one (softmax_d pre-pass, dK/dV,
+// dQ; no atomics, deterministic), each warp owning 16 rows and every product an m16n8k8 TF32 MMA with float32
+// accumulation:
+//   dK/dV: one CTA per 64 keys (4 warps x 16) and KV head, over the GQA group's heads and visible 64-query tiles:
+//          Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then dV += Pᵀ dO and dK += dSᵀ Q straight from the accumulators.
+//   dQ:    one CTA per 64 queries and head, over the visible key tiles: S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K.
+#pragma once
+
+#include <cmath>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/tensor_offsets.h"
+#include "backward_kernels.h"
+#include "tf32_mma.h"
+
+namespace jax_flash::cuda::f32 {
+
+template <int kHeadDim>
+struct Tf32BackwardGeometry {
+  static_assert(kHeadDim <= 128, "the TF32 backward keeps two 16 x head_dim accumulators per warp in registers");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlock = 16 * kWarps;  // rows of every tile, queries and keys alike
+  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kTileElems = kBlock * kStride;
+  static constexpr int kBytes = (4 * kTileElems + 2 * kBlock) * int(sizeof(float));
+};
+
+template <int kHeadDim, bool kTransforms>
+__global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
+    tf32_dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
+  using G = Tf32BackwardGeometry<kHeadDim>;
+  constexpr int kBlock = G::kBlock;
+  constexpr int kDimTiles = kHeadDim / 8;
+  constexpr int kRowTiles = kBlock / 8;
+  extern __shared__ __align__(16) float smem[];
+  float* smem_k = smem;
+  float* smem_v = smem_k + G::kTileElems;
+  float* smem_q = smem_v + G::kTileElems;
+  float* smem_do = smem_q + G::kTileElems;
+  float* smem_lse = smem_do + G::kTileElems;
+  float* smem_d = smem_lse + kBlock;
+
+  const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kBlock));
+  const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
+  const int64_t n0 = int64_t(cta.block) * kBlock;
+  const LaneCoord lane = lane_coord();
+  const int warp_row = 16 * (int(threadIdx.x) / 32);
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  const sm80::BshdShape kv_shape = sm80::key_shape(p);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int keys_in_bounds = static_cast<int>(min(int64_t(kBlock), p.seqlen_k - n0));
+  const int64_t kv_offset = kv_shape.offset(cta.batch, n0, cta.head);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t valid_k = make_slice_mask(p, cta.batch, cta.head * group).valid_k;
+  const int valid_keys = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), valid_k - n0)));
+  load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_k, static_cast<const float*>(p.k) + kv_offset,
+                                                             kv_shape.row_stride(), valid_keys, head_dim, vectorized);
+  load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_v, static_cast<const float*>(p.v) + kv_offset,
+                                                             kv_shape.row_stride(), valid_keys, head_dim, vectorized);
+  cp_async_commit();
+
+  float dk[kDimTiles][4], dv[kDimTiles][4];
+  zero(dk);
+  zero(dv);
+  for (int64_t h = cta.head * group; h < (cta.head + 1) * group; ++h) {
+    const SliceMask mask = make_slice_mask(p, cta.batch, h);
+    const TileSpan query_tiles = query_tiles_for_keys(mask, n0, kBlock, kBlock);
+    const float* stats_lse = p.lse + sm80::row_stat_offset(p, cta.batch, h, 0);
+    const float* stats_d = p.softmax_d + sm80::row_stat_offset(p, cta.batch, h, 0);
+    for (int m_block = query_tiles.begin; m_block < query_tiles.end; ++m_block) {
+      const int64_t m0 = int64_t(m_block) * kBlock;
+      const int valid_rows = static_cast<int>(min(int64_t(kBlock), mask.valid_q - m0));
+      const int64_t q_offset = q_shape.offset(cta.batch, m0, h);
+      __syncthreads();  // every warp is done with the previous Q / dO tiles
+      load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(
+          smem_q, static_cast<const float*>(p.q) + q_offset, q_shape.row_stride(), valid_rows, head_dim, vectorized);
+      load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(
+          smem_do, static_cast<const float*>(p.d_o) + q_offset, q_shape.row_stride(), valid_rows, head_dim,
+          vectorized);
+      cp_async_commit();
+      for (int r = threadIdx.x; r < kBlock; r += G::kThreads) {
+        smem_lse[r] = r < valid_rows ? stats_lse[m0 + r] : INFINITY;  // masked anyway; INFINITY keeps exp at 0
+        smem_d[r] = r < valid_rows ? stats_d[m0 + r] : 0.0f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // Rows are keys (warp_row + g, + 8), columns queries (8 t + 2 q + e % 2).
+      float st[kRowTiles][4], dpt[kRowTiles][4];
+      zero(st);
+      zero(dpt);
+      warp_abt<kHeadDim, kRowTiles, G::kStride, G::kStride>(smem_k + warp_row * G::kStride, smem_q, lane, st);
+      warp_abt<kHeadDim, kRowTiles, G::kStride, G::kStride>(smem_v + warp_row * G::kStride, smem_do, lane, dpt);
+      const bool check_mask = !tile_fully_visible(mask, m0, kBlock, n0, kBlock);
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = warp_row + lane.g + 8 * (e / 2);
+          const int row = 8 * t + 2 * lane.q + e % 2;
+          probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
+                                            smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
+        }
+      warp_pb<kRowTiles, kDimTiles, G::kStride>(st, smem_do, lane, dv);
+      warp_pb<kRowTiles, kDimTiles, G::kStride>(dpt, smem_q, lane, dk);
+    }
+  }
+  cp_async_wait<0>();  // a CTA whose keys no query sees never waited for K and V
+  float* dk_out = static_cast<float*>(p.dk) + kv_offset;
+  float* dv_out = static_cast<float*>(p.dv) + kv_offset;
+  const int64_t ld = kv_shape.row_stride();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = warp_row + lane.g + 8 * h;
+    if (key >= keys_in_bounds) continue;
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t) {
+      const int col = 8 * t + 2 * lane.q;
+      if (col < head_dim) {
+        dk_out[key * ld + col] = dk[t][2 * h] * p.softmax_scale;
+        dv_out[key * ld + col] = dv[t][2 * h];
+      }
+      if (col + 1 < head_dim) {
+        dk_out[key * ld + col + 1] = dk[t][2 * h + 1] * p.softmax_scale;
+        dv_out[key * ld + col + 1] = dv[t][2 * h + 1];
+      }
+    }
+  }
+}
+
+template <int kHeadDim, bool kTransforms>
+__global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
+    tf32_dq_kernel(const AttentionBackwardParams p, bool vectorized) {
+  using G = Tf32BackwardGeometry<kHeadDim>;
+  constexpr int kBlock = G::kBlock;
+  constexpr int kDimTiles = kHeadDim / 8;
+  constexpr int kKeyTiles = kBlock / 8;
+  extern __shared__ __align__(16) float smem[];
+  float* smem_q = smem;
+  float* smem_do = smem_q + G::kTileElems;
+  float* smem_k = smem_do + G::kTileElems;
+  float* smem_v = smem_k + G::kTileElems;
+
+  const int num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, kBlock));
+  const sm80::BlockCoord cta = sm80::decode_block_coord(num_m_blocks, p.heads_q);
+  const int m_block = num_m_blocks - 1 - cta.block;
+  const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
+  const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  const LaneCoord lane = lane_coord();
+  const int warp_row = 16 * (int(threadIdx.x) / 32);
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  const sm80::BshdShape kv_shape = sm80::key_shape(p);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int64_t m0 = int64_t(m_block) * kBlock;
+  const int rows_in_bounds = static_cast<int>(min(int64_t(kBlock), p.seqlen_q - m0));
+  const int valid_rows = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), mask.valid_q - m0)));
+  const int64_t q_offset = q_shape.offset(cta.batch, m0, cta.head);
+  load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_q, static_cast<const float*>(p.q) + q_offset,
+                                                             q_shape.row_stride(), valid_rows, head_dim, vectorized);
+  load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_do, static_cast<const float*>(p.d_o) + q_offset,
+                                                             q_shape.row_stride(), valid_rows, head_dim, vectorized);
+  cp_async_commit();
+  float lse[2], softmax_d[2];
+  const int64_t stats = sm80::row_stat_offset(p, cta.batch, cta.head, m0);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_row + lane.g + 8 * h;
+    lse[h] = row < valid_rows ? p.lse[stats + row] : INFINITY;
+    softmax_d[h] = row < valid_rows ? p.softmax_d[stats + row] : 0.0f;
+  }
+  const float* k_head = static_cast<const float*>(p.k) + kv_shape.offset(cta.batch, 0, head_kv);
+  const float* v_head = static_cast<const float*>(p.v) + kv_shape.offset(cta.batch, 0, head_kv);
+  const int64_t kv_ld = kv_shape.row_stride();
+
+  float dq[kDimTiles][4];
+  zero(dq);
+  const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlock, kBlock);
+  for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
+    const int64_t n0 = int64_t(n_block) * kBlock;
+    const int valid_keys = static_cast<int>(min(int64_t(kBlock), mask.valid_k - n0));
+    __syncthreads();  // every warp is done with the previous K / V
+    load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_k, k_head + n0 * kv_ld, kv_ld, valid_keys,
+                                                               head_dim, vectorized);
+    load_tile_async<kBlock, kHeadDim, G::kStride, G::kThreads>(smem_v, v_head + n0 * kv_ld, kv_ld, valid_keys,
+                                                               head_dim, vectorized);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // Rows are queries (warp_row + g, + 8), columns keys (8 t + 2 q + e % 2).
+    float s[kKeyTiles][4], dp[kKeyTiles][4];
+    zero(s);
+    zero(dp);
+    warp_abt<kHeadDim, kKeyTiles, G::kStride, G::kStride>(smem_q + warp_row * G::kStride, smem_k, lane, s);
+    warp_abt<kHeadDim, kKeyTiles, G::kStride, G::kStride>(smem_do + warp_row * G::kStride, smem_v, lane, dp);
+    const bool check_mask = !tile_fully_visible(mask, m0, kBlock, n0, kBlock);
+#pragma unroll
+    for (int t = 0; t < kKeyTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = warp_row + lane.g + 8 * (e / 2);
+        const int key = 8 * t + 2 * lane.q + e % 2;
+        float prob;
+        probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e], lse[e / 2],
+                                          softmax_d[e / 2], &prob, &dp[t][e]);
+      }
+    warp_pb<kKeyTiles, kDimTiles, G::kStride>(dp, smem_k, lane, dq);
+  }
+  cp_async_wait<0>();  // Q and dO of a CTA that saw no key tile
+  float* dq_out = static_cast<float*>(p.dq) + q_offset;
+  const int64_t ld = q_shape.row_stride();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_row + lane.g + 8 * h;
+    if (row >= rows_in_bounds) continue;
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t) {
+      const int col = 8 * t + 2 * lane.q;
+      if (col < head_dim) dq_out[row * ld + col] = dq[t][2 * h] * p.softmax_scale;
+      if (col + 1 < head_dim) dq_out[row * ld + col + 1] = dq[t][2 * h + 1] * p.softmax_scale;
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda::f32

@@ -1,0 +1,193 @@
+// Runs the float32 kernels under host emulation (emu_cuda.h, emu_ptx.h) against a float64 reference; see run.py.
+#include "emu_cuda.h"
+#include <cstdio>
+#include <random>
+#include <string>
+#include <functional>
+
+namespace jax_flash::cuda::f32 { alignas(16) float smem[64000]; }
+#include "cuda/f32/forward_kernel.h"
+#include "cuda/f32/backward_kernels.h"
+#include "cuda/f32/tf32_forward_kernel.h"
+#include "cuda/f32/tf32_backward_kernels.h"
+#include "cuda/sm80/backward_row_kernels.h"
+
+using namespace jax_flash;
+constexpr int kGuard = 64;
+constexpr float kSentinel = 12345.0f;
+
+struct Buf {  // float buffer with guard zones
+  std::vector<float> data; size_t n;
+  explicit Buf(size_t n_, float fill = NAN) : data(n_ + 2 * kGuard, kSentinel), n(n_) {
+    std::fill(data.begin() + kGuard, data.begin() + kGuard + n, fill);
+  }
+  float* p() { return data.data() + kGuard; }
+  float& operator[](size_t i) { return data[kGuard + i]; }
+  bool guards_ok() const {
+    for (int i = 0; i < kGuard; ++i) if (data[i] != kSentinel || data[kGuard + n + i] != kSentinel) return false;
+    return true;
+  }
+};
+
+struct Case {
+  std::string name; int B, Sq, Sk, Hq, Hkv, d; bool causal = false; int wl = -1, wr = -1; float softcap = 0;
+  bool alibi = false; std::vector<int> q_lens, kv_lens; bool segments = false; bool unaligned = false;
+};
+
+template <int D>
+int run_case(const Case& c, bool tf32) {
+  std::mt19937 rng(c.Sq * 31 + c.d);
+  std::normal_distribution<float> nd;
+  const size_t nq = size_t(c.B) * c.Sq * c.Hq * c.d, nk = size_t(c.B) * c.Sk * c.Hkv * c.d;
+  Buf q(nq), k(nk), v(nk), o(nq), lse(size_t(c.B) * c.Hq * c.Sq), d_o(nq), dq(nq), dk(nk), dv(nk),
+      sd(size_t(c.B) * c.Hq * c.Sq), dlse(size_t(c.B) * c.Hq * c.Sq, 0.0f);
+  for (size_t i = 0; i < nq; ++i) { q[i] = nd(rng); d_o[i] = nd(rng); }
+  for (size_t i = 0; i < nk; ++i) { k[i] = nd(rng); v[i] = nd(rng); }
+  std::vector<float> slopes(c.B * c.Hq);
+  for (auto& s : slopes) s = 0.05f + 0.3f * std::uniform_real_distribution<float>()(rng);
+  std::vector<int32_t> qlen(c.q_lens.begin(), c.q_lens.end()), kvlen(c.kv_lens.begin(), c.kv_lens.end());
+  std::vector<int32_t> qseg(c.B * c.Sq), kvseg(c.B * c.Sk);
+  for (int b = 0; b < c.B; ++b) {
+    for (int i = 0; i < c.Sq; ++i) qseg[b * c.Sq + i] = (3 * i) / c.Sq;
+    for (int j = 0; j < c.Sk; ++j) kvseg[b * c.Sk + j] = (3 * j) / c.Sk;
+  }
+  AttentionBackwardParams p;
+  p.batch = c.B; p.seqlen_q = c.Sq; p.seqlen_k = c.Sk; p.heads_q = c.Hq; p.heads_kv = c.Hkv; p.head_dim = c.d;
+  p.element_type = ElementType::kFloat32;
+  p.q = q.p(); p.k = k.p(); p.v = v.p(); p.o = o.p(); p.lse = lse.p();
+  p.alibi_slopes = c.alibi ? slopes.data() : nullptr;
+  p.q_seqlens = qlen.empty() ? nullptr : qlen.data();
+  p.kv_seqlens = kvlen.empty() ? nullptr : kvlen.data();
+  p.q_segment_ids = c.segments ? qseg.data() : nullptr;
+  p.kv_segment_ids = c.segments ? kvseg.data() : nullptr;
+  p.softmax_scale = 1.0f / std::sqrt(float(c.d)); p.softcap = c.softcap; p.causal = c.causal;
+  p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32;
+  p.d_o = d_o.p(); p.d_lse = dlse.p(); p.dq = dq.p(); p.dk = dk.p(); p.dv = dv.p(); p.softmax_d = sd.p();
+  const bool transforms = c.softcap > 0 || c.alibi;
+  const bool vectorized = c.d % 4 == 0 && !c.unaligned;
+  using namespace jax_flash::cuda;
+
+  // Forward.
+  if (tf32) {
+    using G = f32::Tf32ForwardGeometry<D>;
+    unsigned grid = ceil_div(c.Sq, G::kBlockM) * c.Hq * c.B;
+    emu_launch(grid, G::kThreads, f32::smem, G::kBytes / 4, [&] {
+      if (transforms) f32::tf32_forward_kernel<D, true>(p, vectorized); else f32::tf32_forward_kernel<D, false>(p, vectorized);
+    });
+  } else {
+    unsigned grid = ceil_div(c.Sq, 64) * c.Hq * c.B;
+    emu_launch(grid, 256, f32::smem, f32::ForwardSmem<D>::kBytes / 4, [&] {
+      if (transforms) f32::forward_kernel<D, true>(p, vectorized); else f32::forward_kernel<D, false>(p, vectorized);
+    });
+  }
+  // Backward.
+  unsigned rows = c.B * c.Sq * c.Hq;
+  emu_launch((rows + 7) / 8, 256, f32::smem, 0, [&] { sm80::softmax_d_kernel<float>(p); });
+  if (tf32 && D <= 128) {
+    if constexpr (D <= 128) {
+      using G = f32::Tf32BackwardGeometry<D>;
+      emu_launch(ceil_div(c.Sk, 64) * c.Hkv * c.B, G::kThreads, f32::smem, G::kBytes / 4, [&] {
+        if (transforms) f32::tf32_dkdv_kernel<D, true>(p, vectorized); else f32::tf32_dkdv_kernel<D, false>(p, vectorized);
+      });
+      emu_launch(ceil_div(c.Sq, 64) * c.Hq * c.B, G::kThreads, f32::smem, G::kBytes / 4, [&] {
+        if (transforms) f32::tf32_dq_kernel<D, true>(p, vectorized); else f32::tf32_dq_kernel<D, false>(p, vectorized);
+      });
+    }
+  } else {
+    emu_launch(ceil_div(c.Sk, 64) * c.Hkv * c.B, 256, f32::smem, f32::DkdvGeometry<D>::kBytes / 4, [&] {
+      if (transforms) f32::dkdv_kernel<D, true>(p, vectorized); else f32::dkdv_kernel<D, false>(p, vectorized);
+    });
+    emu_launch(ceil_div(c.Sq, 64) * c.Hq * c.B, 256, f32::smem, f32::DqSmem<D>::kBytes / 4, [&] {
+      if (transforms) f32::dq_kernel<D, true>(p, vectorized); else f32::dq_kernel<D, false>(p, vectorized);
+    });
+  }
+
+  // float64 reference.
+  std::vector<double> ro(nq, 0), rlse(lse.n), rdq(nq, 0), rdk(nk, 0), rdv(nk, 0);
+  const int group = c.Hq / c.Hkv;
+  auto Q = [&](int b, int i, int h, int x) { return double(q[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x]); };
+  auto DO = [&](int b, int i, int h, int x) { return double(d_o[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x]); };
+  auto KI = [&](int b, int j, int h, int x) { return ((size_t(b) * c.Sk + j) * c.Hkv + h) * c.d + x; };
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < c.Hq; ++h) {
+      const SliceMask m = make_slice_mask(p, b, h);
+      const int hk = h / group;
+      for (int i = 0; i < c.Sq; ++i) {
+        std::vector<double> s(c.Sk, -INFINITY), grad(c.Sk, 0), P(c.Sk, 0);
+        double mx = -INFINITY;
+        for (int j = 0; j < c.Sk; ++j) {
+          if (!m.visible(i, j)) continue;
+          double dot = 0; for (int x = 0; x < c.d; ++x) dot += Q(b, i, h, x) * k[KI(b, j, hk, x)];
+          double sc = dot * p.softmax_scale, g = p.softmax_scale;
+          if (c.softcap > 0) { double t = std::tanh(sc / c.softcap); sc = c.softcap * t; g *= 1 - t * t; }
+          if (c.alibi) { long dist = long(i) + long(m.diagonal_shift) - j; sc -= m.alibi_slope * double(std::labs(dist)); }
+          s[j] = sc; grad[j] = g; mx = std::max(mx, sc);
+        }
+        const size_t li = (size_t(b) * c.Hq + h) * c.Sq + i;
+        if (mx == -INFINITY) { rlse[li] = -INFINITY; continue; }
+        double sum = 0; for (int j = 0; j < c.Sk; ++j) if (s[j] > -INFINITY) { P[j] = std::exp(s[j] - mx); sum += P[j]; }
+        rlse[li] = mx + std::log(sum);
+        for (int j = 0; j < c.Sk; ++j) P[j] /= sum;
+        std::vector<double> orow(c.d, 0);
+        for (int j = 0; j < c.Sk; ++j) if (P[j] > 0) for (int x = 0; x < c.d; ++x) orow[x] += P[j] * v[KI(b, j, hk, x)];
+        double Dd = 0; for (int x = 0; x < c.d; ++x) { ro[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] = orow[x]; Dd += orow[x] * DO(b, i, h, x); }
+        for (int j = 0; j < c.Sk; ++j) {
+          if (P[j] == 0) continue;
+          double dp = 0; for (int x = 0; x < c.d; ++x) dp += DO(b, i, h, x) * v[KI(b, j, hk, x)];
+          const double ds = P[j] * (dp - Dd) * grad[j];
+          for (int x = 0; x < c.d; ++x) {
+            rdq[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] += ds * k[KI(b, j, hk, x)];
+            rdk[KI(b, j, hk, x)] += ds * Q(b, i, h, x);
+            rdv[KI(b, j, hk, x)] += P[j] * DO(b, i, h, x);
+          }
+        }
+      }
+    }
+  auto rel = [&](Buf& x, const std::vector<double>& r, const char* name) {
+    double err = 0, mag = 0; bool bad = false;
+    for (size_t i = 0; i < x.n; ++i) {
+      if (std::isinf(r[i])) { if (x[i] != r[i]) bad = true; continue; }
+      if (!std::isfinite(x[i])) { bad = true; continue; }
+      err = std::max(err, std::fabs(x[i] - r[i])); mag = std::max(mag, std::fabs(r[i]));
+    }
+    const double e = err / std::max(mag, 1e-30);
+    const double tol = tf32 ? 5e-3 : 1e-5;
+    const bool ok = !bad && e <= tol && x.guards_ok();
+    std::printf("  %-4s rel %.2e%s%s\n", name, e, bad ? " NONFINITE/INF MISMATCH" : "", x.guards_ok() ? "" : " GUARD OVERWRITTEN");
+    return ok ? 0 : 1;
+  };
+  std::printf("%s [%s, D=%d]\n", c.name.c_str(), tf32 ? "tf32" : "exact", D);
+  int fails = rel(o, ro, "o") + rel(lse, rlse, "lse") + rel(dq, rdq, "dq") + rel(dk, rdk, "dk") + rel(dv, rdv, "dv");
+  return fails;
+}
+
+int main() {
+  std::vector<std::pair<Case, int>> cases = {
+    {{"mha causal 130", 2, 130, 130, 4, 2, 64, true}, 64},
+    {{"window softcap alibi 70x200", 1, 70, 200, 2, 1, 40, false, 5, 3, 2.0f, true}, 64},
+    {{"seqlens segments d=7", 2, 17, 33, 2, 2, 7, false, -1, -1, 0, false, {10, 17}, {33, 5}, true}, 64},
+    {{"mqa d=100 65x65 causal alibi", 1, 65, 65, 3, 1, 100, true, -1, -1, 0, true}, 128},
+    {{"empty q rows 1x1", 1, 1, 1, 1, 1, 32, false, -1, -1, 0, false, {0}, {1}}, 64},
+    {{"gqa4 causal 300x40 (rows see nothing)", 1, 300, 40, 4, 1, 64, true}, 64},
+    {{"window 40/10 200x150 unaligned-path", 1, 200, 150, 2, 2, 64, false, 40, 10, 0, false, {}, {}, false, true}, 64},
+    {{"left window causal 129x257 d=128 kvlens", 2, 129, 257, 2, 1, 128, true, 30, -1, 0, false, {129, 60}, {257, 100}}, 128},
+    {{"d=32 softcap 50x90", 1, 50, 90, 2, 1, 32, false, -1, -1, 1.5f}, 32},
+    {{"d=96 causal gqa 80x80", 1, 80, 80, 4, 2, 90, true}, 96},
+    {{"d=192 window 70x70", 1, 70, 70, 2, 2, 192, false, 20, 20}, 192},
+    {{"d=256 causal 66x100 segments", 1, 66, 100, 2, 1, 250, true, -1, -1, 0, false, {}, {}, true}, 256},
+  };
+  int fails = 0;
+  for (auto& [c, D] : cases)
+    for (bool tf32 : {false, true}) {
+      switch (D) {
+        case 32: fails += run_case<32>(c, tf32); break;
+        case 64: fails += run_case<64>(c, tf32); break;
+        case 96: fails += run_case<96>(c, tf32); break;
+        case 128: fails += run_case<128>(c, tf32); break;
+        case 192: fails += run_case<192>(c, tf32); break;
+        default: fails += run_case<256>(c, tf32); break;
+      }
+    }
+  std::printf("%s (%d failures)\n", fails ? "FAILED" : "ALL OK", fails);
+  return fails != 0;
+}

@@ -1,0 +1,35 @@
+"""Small float32 grid for compute-sanitizer: forward and backward of both float32 modes on odd shapes (partial
+tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 float32_memcheck.py
+Prints one line per case; finite outputs are checked so that a silent failure still shows."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
+    (1, 1, 1, 1, 1, 7, {}),
+    (2, 17, 65, 4, 2, 40, {"causal": True}),
+    (1, 70, 33, 4, 1, 100, {"window_size": (5, 3), "softcap": 2.0}),
+    (2, 129, 130, 2, 2, 64, {"q_seqlens": jnp.array([100, 3], jnp.int32), "kv_seqlens": jnp.array([7, 130], jnp.int32),
+                             "alibi_slopes": jnp.array([0.1, 0.2], jnp.float32)}),
+    (1, 40, 40, 2, 2, 128, {"q_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None],
+                            "kv_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None]}),
+]
+
+for (b, sq, sk, hq, hkv, d, kwargs), mode in itertools.product(CASES, ("highest", "tf32")):
+    keys = jax.random.split(jax.random.key(sq * 7 + d), 4)
+    q = jax.random.normal(keys[0], (b, sq, hq, d), jnp.float32)
+    k = jax.random.normal(keys[1], (b, sk, hkv, d), jnp.float32)
+    v = jax.random.normal(keys[2], (b, sk, hkv, d), jnp.float32)
+    d_o = jax.random.normal(keys[3], q.shape, jnp.float32)
+    attend = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, float32_precision=mode, **kwargs)
+    o, vjp = jax.vjp(attend, q, k, v)
+    grads = vjp(d_o)
+    finite = all(bool(np.all(np.isfinite(np.asarray(x)))) for x in (o, *grads))
+    print(f"b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} {mode}: finite={finite}", flush=True)
+    assert finite
+print("float32 memcheck grid done")
