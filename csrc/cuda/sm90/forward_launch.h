@@ -41,7 +41,7 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
-  auto kernel = sm80::transforms_scores(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
+  auto kernel = sm80::needs_general_variant(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
