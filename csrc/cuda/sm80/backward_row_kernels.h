@@ -11,9 +11,10 @@ namespace jax_flash::cuda::sm80 {
 constexpr int kRowKernelWarps = 8;
 
 // One warp per (batch, query row, head): rows are contiguous head_dim vectors in BSHD, so lanes stride through
-// them coalesced.
+// them coalesced. A device function so that each kernel family wraps it in a kernel of its own (a template kernel
+// instantiated in translation units built for different architectures would be registered twice).
 template <class T>
-__global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p) {
+__device__ __forceinline__ void softmax_d_rows(const AttentionBackwardParams& p) {
   const int64_t row = int64_t(blockIdx.x) * kRowKernelWarps + threadIdx.x / 32;  // ((b * Sq) + i) * Hq + h
   const int lane = threadIdx.x % 32;
   if (row >= p.batch * p.seqlen_q * p.heads_q) return;
@@ -29,6 +30,11 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const A
     const int64_t stat = row_stat_offset(p, batch, head, position);
     p.softmax_d[stat] = dot - (p.d_lse != nullptr ? p.d_lse[stat] : 0.0f);
   }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p) {
+  softmax_d_rows<T>(p);
 }
 
 }  // namespace jax_flash::cuda::sm80

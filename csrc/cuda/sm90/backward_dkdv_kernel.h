@@ -1,0 +1,291 @@
+// Hopper backward, dK/dV pass. One CTA owns kBlockN keys of one KV head; K and V stay in shared memory and dK, dV
+// in registers while it streams every query tile that can see them, for every query head of the GQA group (dK/dV
+// summed over the group in a fixed order: no atomics, bit-reproducible), like sm80/backward_dkdv_kernel.h.
+//  - producer warpgroup: thread 0 issues the TMA loads (K and V once; Q and dO tiles into a kStages-deep
+//    PipelineTmaAsync); warp 1 copies the lse / softmax_d rows of the same tiles into a PipelineAsync;
+//  - each consumer warpgroup owns 64 of the keys. Per query tile, all with WGMMA:
+//      S^T = K Q^T, dP^T = V dO^T        (both operands from smem)
+//      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (in registers; masks only on boundary tiles)
+//      dV += P^T dO, dK += dS^T Q        (P^T, dS^T straight from the accumulators as register A operands)
+// Computing the transposed scores is what lets P and dS skip shared memory: their rows are already the keys.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/fragments.h"
+#include "../sm80/score_tile.h"
+#include "../sm80/tensor_offsets.h"
+#include "backward_traits.h"
+#include "fragments.h"
+#include "transposed_scores.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Named barrier of consumer g's epilogue: kDkdvEpilogueBarrier + g (id 0 is __syncthreads).
+constexpr int kDkdvEpilogueBarrier = 1;
+
+// The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
+struct KeyBlock {
+  int64_t batch;
+  int64_t head_kv;
+  int64_t group;        // query heads per KV head
+  int64_t n0;           // first key
+  int keys_in_bounds;   // keys of the tile that exist (< seqlen_k)
+  SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
+  TileSpan query_tiles;
+  int items;            // group * query_tiles.size()
+
+  __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
+  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
+};
+
+template <class Traits>
+__device__ KeyBlock locate_key_block(const AttentionParams& p) {
+  const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
+  const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
+  KeyBlock kb;
+  kb.batch = cta.batch;
+  kb.head_kv = cta.head;
+  kb.group = p.heads_q / p.heads_kv;
+  kb.n0 = int64_t(cta.block) * Traits::kBlockN;
+  kb.keys_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockN), p.seqlen_k - kb.n0));
+  kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
+  kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
+  kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
+  return kb;
+}
+
+// Stores rows [row_begin, row_end) of a [kBlockN, kHeadDim] tile staged in `staged` (16-byte chunks; head_dim
+// is a multiple of 8 on this path), or zeros when staged is null.
+template <class Traits, class Staged>
+__device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out, Staged const* staged,
+                               int row_begin, int row_end, int thread, int threads) {
+  using T = typename Traits::Element;
+  const sm80::BshdShape kv_shape = sm80::key_shape(p);
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  const int rows = min(row_end, kb.keys_in_bounds) - row_begin;
+  for (int i = thread; i < rows * kChunksPerRow; i += threads) {
+    const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
+    if (chunk < chunks_in_bounds) {
+      T* dst = static_cast<T*>(out) + kv_shape.offset(kb.batch, kb.n0 + row, kb.head_kv) + chunk * 8;
+      *reinterpret_cast<uint4*>(dst) =
+          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Producer thread: K and V once, then Q and dO of every item.
+template <class Traits>
+__device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBlock& kb,
+                                   typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline) {
+  using namespace cute;
+  const AttentionBackwardParams& p = args.p;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
+  const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
+  const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+  const int n_block = static_cast<int>(kb.n0 / kBlockN);
+  Tensor gK = local_tile(args.tma_k.get_tma_tensor(kv_shape)(_, _, kb.head_kv, kb.batch),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(args.tma_v.get_tma_tensor(kv_shape)(_, _, kb.head_kv, kb.batch),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  auto tma_q = args.tma_q.get_slice(0);
+  auto tma_do = args.tma_do.get_slice(0);
+  auto tma_k = args.tma_k.get_slice(0);
+  auto tma_v = args.tma_v.get_slice(0);
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
+  copy(args.tma_k.with(smem.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(args.tma_v.with(smem.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+  Tensor mQ = args.tma_q.get_tma_tensor(q_shape);
+  Tensor mdO = args.tma_do.get_tma_tensor(q_shape);
+  Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_D, stage)
+  Tensor tdOsdO = tma_do.partition_D(sdO);
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  for (int item = 0; item < kb.items; ++item) {
+    const int64_t head = kb.head(item);
+    const auto tile = make_coord(kb.m_block(item), 0);
+    Tensor gQ = local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, tile);
+    Tensor gdO = local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, tile);
+    pipeline.producer_acquire(write);
+    auto* full = pipeline.producer_get_barrier(write);
+    copy(args.tma_q.with(*full), tma_q.partition_S(gQ), tQsQ(_, _, _, write.index()));
+    copy(args.tma_do.with(*full), tma_do.partition_S(gdO), tdOsdO(_, _, _, write.index()));
+    ++write;
+  }
+}
+
+// Producer warp 1: lse (as log2, +inf for rows without a visible key) and softmax_d of every item's rows.
+template <class Traits>
+__device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlock& kb,
+                                  typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline) {
+  const int lane = threadIdx.x % 32;
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::StatsPipeline>();
+  for (int item = 0; item < kb.items; ++item) {
+    const int64_t base = sm80::row_stat_offset(p, kb.batch, kb.head(item), 0);
+    const int64_t m0 = int64_t(kb.m_block(item)) * Traits::kBlockM;
+    pipeline.producer_acquire(write);
+    for (int i = lane; i < Traits::kBlockM; i += 32) {
+      const int64_t row = m0 + i;
+      const bool in_bounds = row < p.seqlen_q;
+      const float lse = in_bounds ? p.lse[base + row] : -INFINITY;
+      smem.lse_log2[write.index()][i] = lse == -INFINITY ? INFINITY : lse * sm80::kLog2e;
+      smem.softmax_d[write.index()][i] = in_bounds ? p.softmax_d[base + row] : 0.0f;
+    }
+    pipeline.producer_commit(write);
+    ++write;
+  }
+}
+
+// Consumer warpgroup `group`: dK and dV of its 64 keys over every item, then the epilogue.
+template <class Traits>
+__device__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
+                                    typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_qdo,
+                                    typename Traits::StatsPipeline& pipeline_stats, int group) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int thread = threadIdx.x - 128;  // among all consumer threads
+
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQt{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaDkv mma_dkv;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread);
+  auto thr_dkv = mma_dkv.get_thread_slice(thread);
+  Tensor frag_k = thr_sdp.partition_fragment_A(sK);     // smem descriptors
+  Tensor frag_v = thr_sdp.partition_fragment_A(sV);
+  Tensor frag_q = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_do = thr_sdp.partition_fragment_B(sdO);
+  Tensor frag_qt = thr_dkv.partition_fragment_B(sQt);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_dot = thr_dkv.partition_fragment_B(sdOt);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of each score element, as rows x cols of this thread.
+  Tensor coords = sm80::as_rows_cols(
+      sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
+  const float scale_log2 = p.softmax_scale * sm80::kLog2e;
+
+  cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
+  typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
+  for (int item = 0; item < kb.items; ++item) {
+    const int stage = read.index();
+    const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    pipeline_qdo.consumer_wait(read);
+    issue_wgmma<true>(mma_sdp, frag_k, frag_q(_, _, _, stage), acc_s);
+    issue_wgmma<true>(mma_sdp, frag_v, frag_do(_, _, _, stage), acc_dp);
+    pipeline_stats.consumer_wait(read);
+    auto scores = sm80::as_rows_cols(sm80_view(acc_s));
+    auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
+    warpgroup_wait<1>();  // S^T is ready; dP^T may still run
+    if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+      mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+    }
+    transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
+    warpgroup_wait<0>();
+    transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
+    pipeline_stats.consumer_release(read);
+
+    Tensor probs = sm80::converted<T>(acc_s);
+    Tensor score_grads = sm80::converted<T>(acc_dp);
+    Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
+    Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+    issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
+    issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+    // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
+    warpgroup_wait<0>();
+    pipeline_qdo.consumer_release(read);
+    ++read;
+  }
+
+  // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
+  // of K and V (and have retired), so dK and dV are staged there for 16-byte row stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+  Tensor dk_out = sm80::converted<T>(acc_dk);
+  Tensor dv_out = sm80::converted<T>(acc_dv);
+  copy(dk_out, thr_dkv.partition_C(sK));
+  copy(dv_out, thr_dkv.partition_C(sV));
+  named_barrier_sync(kDkdvEpilogueBarrier + group, 128);
+  const int rows_begin = group * 64;
+  store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);
+  store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
+  using namespace cute;
+  extern __shared__ __align__(1024) char smem_bytes[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+  const AttentionBackwardParams& p = args.p;
+
+  const KeyBlock kb = locate_key_block<Traits>(p);
+  if (kb.items == 0) {  // no query sees these keys
+    using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
+    store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+    store_key_rows<Traits, NoStage>(p, kb, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+    return;
+  }
+
+  const int warp_group = threadIdx.x / 128;
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
+  }
+  using Pipeline = typename Traits::Pipeline;
+  typename Pipeline::Params params;
+  params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = Traits::kConsumerThreads;
+  params.transaction_bytes = 2 * Traits::kQBytes;
+  Pipeline pipeline_qdo(smem.pipeline_qdo, params, Shape<_1, _1, _1>{});
+  using StatsPipeline = typename Traits::StatsPipeline;
+  typename StatsPipeline::Params stats_params;
+  stats_params.role = warp == 1          ? StatsPipeline::ThreadCategory::Producer
+                      : warp_group > 0   ? StatsPipeline::ThreadCategory::Consumer
+                                         : StatsPipeline::ThreadCategory::NonParticipant;
+  stats_params.producer_arv_count = 32;
+  stats_params.consumer_arv_count = Traits::kConsumerThreads;
+  StatsPipeline pipeline_stats(smem.pipeline_stats, stats_params);
+  __syncthreads();  // barrier initialisation visible to every thread before any use
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      produce_dkdv_tiles<Traits>(args, kb, smem, pipeline_qdo);
+    } else if (warp == 1) {
+      produce_row_stats<Traits>(p, kb, smem, pipeline_stats);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume_query_tiles<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90

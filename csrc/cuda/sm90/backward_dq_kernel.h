@@ -1,0 +1,219 @@
+// Hopper backward, dQ pass: one CTA owns kBlockM query rows of one head (the forward's row block: Q and dO
+// resident), streams the visible key tiles and recomputes S and dP, keeping dQ in registers, so dQ is formed in
+// one fixed order with no atomics (the design choice of sm80/backward_dq_kernel.h: deterministic for free).
+//  - producer warpgroup, thread 0: TMA loads of Q and dO once and of K and V tiles into a kStages pipeline;
+//  - each consumer warpgroup owns 64 of the rows: S = Q K^T and dP = dO V^T by WGMMA from smem, the shared
+//    backward score step of sm80 (masks, P = exp(S - lse), dS = P (dP - D)), then dQ += dS K by WGMMA with dS
+//    from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs while tile n+1's S and dP are
+//    issued; tile n's K/V stage is handed back once both have retired.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/fragments.h"
+#include "../sm80/row_stats.h"
+#include "../sm80/score_tile.h"
+#include "../sm80/tensor_offsets.h"
+#include "backward_traits.h"
+#include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
+#include "fragments.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Named barrier of consumer g's epilogue: kDqEpilogueBarrier + g.
+constexpr int kDqEpilogueBarrier = 1;
+
+// Stores rows [row_begin, row_end) of the [kBlockM, kHeadDim] dQ tile staged in `staged`, or zeros when null.
+template <class Traits, class Staged>
+__device__ void store_query_rows(const AttentionBackwardParams& p, const RowBlock& rb, Staged const* staged, int row_begin,
+                                 int row_end, int thread, int threads) {
+  using T = typename Traits::Element;
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  const int rows = min(row_end, rb.rows_in_bounds) - row_begin;
+  for (int i = thread; i < rows * kChunksPerRow; i += threads) {
+    const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
+    if (chunk < chunks_in_bounds) {
+      T* dst = static_cast<T*>(p.dq) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
+      *reinterpret_cast<uint4*>(dst) =
+          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Producer thread: Q and dO once, then K and V of every visible key tile, last to first.
+template <class Traits>
+__device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBlock& rb,
+                                 typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline) {
+  using namespace cute;
+  const AttentionBackwardParams& p = args.p;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
+  const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+  const int m_block = static_cast<int>(rb.m0 / kBlockM);
+  Tensor gQ = local_tile(args.tma_q.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch),
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(args.tma_do.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(args.tma_k.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
+  Tensor gV = local_tile(args.tma_v.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  auto tma_q = args.tma_q.get_slice(0);
+  auto tma_do = args.tma_do.get_slice(0);
+  auto tma_k = args.tma_k.get_slice(0);
+  auto tma_v = args.tma_v.get_slice(0);
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, 2 * Traits::kQBytes);
+  copy(args.tma_q.with(smem.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+  copy(args.tma_do.with(smem.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+
+  Tensor tKgK = tma_k.partition_S(gK);  // (TMA, TMA_N, TMA_D, n)
+  Tensor tKsK = tma_k.partition_D(sK);  // (TMA, TMA_N, TMA_D, stage)
+  Tensor tVgV = tma_v.partition_S(gV);
+  Tensor tVsV = tma_v.partition_D(sV);
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+    pipeline.producer_acquire(write);
+    auto* full = pipeline.producer_get_barrier(write);
+    copy(args.tma_k.with(*full), tKgK(_, _, _, n_block), tKsK(_, _, _, write.index()));
+    copy(args.tma_v.with(*full), tVgV(_, _, _, n_block), tVsV(_, _, _, write.index()));
+    ++write;
+  }
+}
+
+// Consumer warpgroup `group`: dQ of its 64 rows over every visible key tile, then the epilogue.
+template <class Traits>
+__device__ void consume_key_tiles(const AttentionBackwardParams& p, const RowBlock& rb,
+                                  typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_kv,
+                                  int group) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int thread = threadIdx.x - 128;  // among all consumer threads
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread);
+  auto thr_dq = mma_dq.get_thread_slice(thread);
+  Tensor frag_q = thr_sdp.partition_fragment_A(sQ);    // smem descriptors
+  Tensor frag_do = thr_sdp.partition_fragment_A(sdO);
+  Tensor frag_k = thr_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_v = thr_sdp.partition_fragment_B(sV);
+  Tensor frag_kt = thr_dq.partition_fragment_B(sKt);   // (MMA, MMA_N, MMA_K, stage)
+
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
+  Tensor coords = sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
+  sm80::RowStats<kRows> stats;
+  stats.load(p, rb.batch, rb.head, rb.m0, coords);
+  const float to_log2 = sm80::ScoreTile<false>::to_log2(p);
+
+  Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  // dS of the previous tile stays in these registers until its dQ GEMM has retired (the next tile's wait).
+  Tensor score_grads = make_tensor_like<T>(acc_dp);
+  Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+  sm80::KeepBits<decltype(size(acc_s))::value> no_dropout;  // the common variant never reads keep bits
+
+  cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
+  typename Traits::PipelineState read, previous;
+  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+    const int stage = read.index();
+    pipeline_kv.consumer_wait(read);
+    issue_wgmma<true>(mma_sdp, frag_q, frag_k(_, _, _, stage), acc_s);
+    issue_wgmma<true>(mma_sdp, frag_do, frag_v(_, _, _, stage), acc_dp);
+    warpgroup_wait<0>();  // S, dP and the previous tile's dQ GEMM have retired
+    if (n_block != rb.key_tiles.end - 1) pipeline_kv.consumer_release(previous);
+
+    const int64_t n0 = int64_t(n_block) * kBlockN;
+    const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
+    auto s_view = sm80_view(acc_s);
+    auto dp_view = sm80_view(acc_dp);
+    if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
+      sm80::backward_scores<false, false>(scorer, p, no_dropout, s_view, dp_view, coords, stats, rb.m0, n0,
+                                          to_log2);
+    } else {
+      sm80::backward_scores<false, true>(scorer, p, no_dropout, s_view, dp_view, coords, stats, rb.m0, n0,
+                                         to_log2);
+    }
+    Tensor converted = sm80::converted<T>(acc_dp);
+    CUTE_UNROLL
+    for (int i = 0; i < size(score_grads); ++i) score_grads(i) = converted(i);
+    issue_wgmma<false>(mma_dq, score_grads_operand, frag_kt(_, _, _, stage), acc_dq);
+    previous = read;
+    ++read;
+  }
+  warpgroup_wait<0>();
+  pipeline_kv.consumer_release(previous);
+
+  // Epilogue: dQ carries the softmax scale; staged in this warpgroup's own rows of Q (its GEMMs read only those
+  // and have retired) for 16-byte row stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
+  Tensor dq_out = sm80::converted<T>(acc_dq);
+  copy(dq_out, thr_dq.partition_C(sQ));
+  named_barrier_sync(kDqEpilogueBarrier + group, 128);
+  store_query_rows<Traits>(p, rb, &sQ, group * 64, group * 64 + 64, thread % 128, 128);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dq_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
+  using namespace cute;
+  extern __shared__ __align__(1024) char smem_bytes[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+  const AttentionBackwardParams& p = args.p;
+
+  const RowBlock rb = locate_row_block<Traits>(p);
+  if (rb.key_tiles.empty()) {  // rows that see no key: dQ = 0
+    using NoStage = decltype(make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{}));
+    store_query_rows<Traits, NoStage>(p, rb, nullptr, 0, Traits::kBlockM, threadIdx.x, Traits::kThreads);
+    return;
+  }
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
+  }
+  using Pipeline = typename Traits::Pipeline;
+  typename Pipeline::Params params;
+  params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = Traits::kConsumerThreads;
+  params.transaction_bytes = 2 * Traits::kKVBytes;
+  Pipeline pipeline_kv(smem.pipeline_kv, params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread before any use
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x == 0) produce_dq_tiles<Traits>(args, rb, smem, pipeline_kv);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume_key_tiles<Traits>(p, rb, smem, pipeline_kv, warp_group - 1);
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90
