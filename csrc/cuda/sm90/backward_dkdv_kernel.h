@@ -113,16 +113,19 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_D, stage)
   Tensor tdOsdO = tma_do.partition_D(sdO);
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  for (int item = 0; item < kb.items; ++item) {
-    const int64_t head = kb.head(item);
-    const auto tile = make_coord(kb.m_block(item), 0);
-    Tensor gQ = local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, tile);
-    Tensor gdO = local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, tile);
-    pipeline.producer_acquire(write);
-    auto* full = pipeline.producer_get_barrier(write);
-    copy(args.tma_q.with(*full), tma_q.partition_S(gQ), tQsQ(_, _, _, write.index()));
-    copy(args.tma_do.with(*full), tma_do.partition_S(gdO), tdOsdO(_, _, _, write.index()));
-    ++write;
+  // Items in order: query heads of the group, then query tiles (KeyBlock::head / m_block).
+  for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+    Tensor tQgQ = tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                               make_coord(_, 0)));  // (TMA, TMA_M, TMA_D, m)
+    Tensor tdOgdO = tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                                  make_coord(_, 0)));
+    for (int m_block = kb.query_tiles.begin; m_block < kb.query_tiles.end; ++m_block) {
+      pipeline.producer_acquire(write);
+      auto* full = pipeline.producer_get_barrier(write);
+      copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
+      copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
+      ++write;
+    }
   }
 }
 
@@ -132,19 +135,25 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
                                   typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline) {
   const int lane = threadIdx.x % 32;
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::StatsPipeline>();
-  for (int item = 0; item < kb.items; ++item) {
-    const int64_t base = sm80::row_stat_offset(p, kb.batch, kb.head(item), 0);
-    const int64_t m0 = int64_t(kb.m_block(item)) * Traits::kBlockM;
-    pipeline.producer_acquire(write);
-    for (int i = lane; i < Traits::kBlockM; i += 32) {
-      const int64_t row = m0 + i;
-      const bool in_bounds = row < p.seqlen_q;
-      const float lse = in_bounds ? p.lse[base + row] : -INFINITY;
-      smem.lse_log2[write.index()][i] = lse == -INFINITY ? INFINITY : lse * sm80::kLog2e;
-      smem.softmax_d[write.index()][i] = in_bounds ? p.softmax_d[base + row] : 0.0f;
+  // Lean on registers: this warp runs under the producer's setmaxnreg budget.
+  for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+    const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
+    const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
+    for (int m0 = kb.query_tiles.begin * Traits::kBlockM; m0 < kb.query_tiles.end * Traits::kBlockM;
+         m0 += Traits::kBlockM) {
+      const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
+      pipeline.producer_acquire(write);
+      float* lse_log2 = smem.lse_log2[write.index()];
+      float* softmax_d = smem.softmax_d[write.index()];
+#pragma unroll 1
+      for (int i = lane; i < Traits::kBlockM; i += 32) {
+        const float row_lse = i < rows ? lse[m0 + i] : -INFINITY;
+        lse_log2[i] = row_lse == -INFINITY ? INFINITY : row_lse * sm80::kLog2e;
+        softmax_d[i] = i < rows ? row_d[m0 + i] : 0.0f;
+      }
+      pipeline.producer_commit(write);
+      ++write;
     }
-    pipeline.producer_commit(write);
-    ++write;
   }
 }
 

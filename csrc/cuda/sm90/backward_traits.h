@@ -27,6 +27,13 @@ constexpr BackwardTile dq_tile(int head_dim) {
                         : BackwardTile{128, 64, 2};    // d=128: 64 + 64 KiB; 32 + 32 + 64 floats
 }
 
+// setmaxnreg moves registers only within what the CTA was launched with (65536 / threads, rounded down to a
+// multiple of 8, per thread): the consumers' increase must be covered by the producer's decrease.
+constexpr bool registers_fit(int threads, int consumer_threads, int producer_registers, int consumer_registers) {
+  const int launched = (65536 / threads) / 8 * 8;
+  return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
+}
+
 constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
@@ -58,10 +65,11 @@ struct DkdvTraits {
   static constexpr int kConsumerGroups = kBlockN / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
+  // The producer keeps 32 registers, not the forward's 24: its second warp copies row statistics and spilled at 24.
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 232 : 160;
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 16 == 0);
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along keys
   // S^T = K Q^T and dP^T = V dO^T: both operands K-major in smem. Transposed so that P^T and dS^T come out of the
@@ -121,7 +129,7 @@ struct DqTraits {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along rows
   // S = Q K^T and dP = dO V^T from smem; dQ += dS K with dS from registers and K^T (MN-major) from smem.
