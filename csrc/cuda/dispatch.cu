@@ -25,6 +25,9 @@
 #ifndef JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST
 #define JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST  // no sm_90a kernels in this build
 #endif
+#ifndef JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST
+#define JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST  // no sm_90a backward kernels in this build
+#endif
 
 namespace jax_flash::cuda {
 namespace {
@@ -180,6 +183,87 @@ std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
   return result;
 }
 
+// ---- Backward kernel family. The Hopper backward (sm90/backward_*.h) is experimental until validated on a GPU,
+// so it is opt-in only:
+// JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90 forces it (an error naming the reason where it cannot run), =auto takes it
+// where it applies, unset or sm80 keeps the sm80 backward. Read at every call.
+
+constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST};
+
+// Smallest built sm90 backward head dim >= head_dim, or 0.
+int sm90_backward_head_dim(int64_t head_dim) {
+  int best = 0;
+  for (int d : kSm90BackwardHeadDims) {
+    if (d >= head_dim && d > 0 && (best == 0 || d < best)) best = d;
+  }
+  return best;
+}
+
+// Empty when the sm90 backward can run this call, else why not.
+std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
+  if (sm90_backward_head_dim(p.head_dim) == 0) {
+    return "this build has no sm_90a backward kernel for head_dim " + std::to_string(p.head_dim);
+  }
+  if (current_device_major() != 9) return "the device is not compute capability 9.x";
+  // Only the common variant exists (the transposed score step of sm90/transposed_scores.h has no
+  // softcap/ALiBi/bias/mask/dropout).
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
+      p.dropout_rate > 0.0f || p.dbias != nullptr) {
+    return "softcap, ALiBi, bias, mask and dropout run on the sm80 backward only";
+  }
+  if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";  // TMA row strides
+  for (const void* ptr : {p.q, p.k, p.v, p.o, p.d_o, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
+                          static_cast<const void*>(p.dv)}) {
+    if (!aligned16(ptr)) return "q, k, v, o, dO, dq, dk and dv must be 16-byte aligned";
+  }
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";
+  return {};
+}
+
+std::string use_sm90_backward(const AttentionBackwardParams& p, bool* use_sm90) {
+  const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
+  const std::string forced = env ? env : "";
+  *use_sm90 = false;
+  if (forced.empty() || forced == "sm80") return {};
+  const std::string refusal = sm90_backward_refusal(p);
+  if (forced == "sm90") {
+    if (!refusal.empty()) {
+      return "JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, but the sm90 backward cannot run this call: " + refusal;
+    }
+    *use_sm90 = true;
+    return {};
+  }
+  if (forced != "auto") {
+    return "JAX_FLASH_CUDA_KERNEL_BACKWARD must be sm80, sm90 or auto, not '" + forced + "'";
+  }
+  *use_sm90 = refusal.empty();
+  return {};
+}
+
+std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  const bool bf16 = p.element_type == ElementType::kBFloat16;
+  std::string result = "internal error: no sm90 backward kernel for head dim " + std::to_string(p.head_dim);
+  auto try_dim = [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    constexpr bool kBuilt = [] {
+      for (int d : kSm90BackwardHeadDims) {
+        if (d == kDim) return true;
+      }
+      return false;
+    }();
+    if constexpr (kBuilt) {
+      if (kDim == sm90_backward_head_dim(p.head_dim)) {
+        result = bf16 ? sm90::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
+                      : sm90::launch_backward<kDim, cutlass::half_t>(p, stream);
+      }
+    }
+  };
+  try_dim(std::integral_constant<int, 64>{});
+  try_dim(std::integral_constant<int, 128>{});
+  return result;
+}
+
 }  // namespace
 
 std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
@@ -213,6 +297,9 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
       return f32::launch_backward<decltype(dim)::value>(p, stream);
     });
   }
+  bool use_sm90 = false;
+  if (std::string err = use_sm90_backward(p, &use_sm90); !err.empty()) return err;
+  if (use_sm90) return run_sm90_backward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;

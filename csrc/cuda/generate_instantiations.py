@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes one .cu per (direction, head dim, element type) into sm80/instantiations/, one per (head dim, element
-type) of the Hopper forward into sm90/instantiations/, and one per (direction, head dim) of the float32 kernels
+"""Writes one .cu per (direction, head dim, element type) into sm80/instantiations/, one per (direction, head dim,
+element type) of the Hopper kernels into sm90/instantiations/, and one per (direction, head dim) of the float32 kernels
 into f32/instantiations/.
 
 Run after changing the table below; the generated files are committed so builds need no Python.
@@ -17,6 +17,8 @@ DIRECTIONS = {
 }
 SM90_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
+SM90_BACKWARD_HEAD_DIMS = (64, 128)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
+SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",
     "backward": "std::string launch_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);",
@@ -42,6 +44,11 @@ def main() -> None:
         for short, cpp in ELEMENT_TYPES.items():
             text = TEMPLATE.format(header="forward_launch.h", family="sm90", declaration=SM90_FORWARD.format(d=d, t=cpp))
             files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}.cu"] = text
+    for d in SM90_BACKWARD_HEAD_DIMS:
+        for short, cpp in ELEMENT_TYPES.items():
+            text = TEMPLATE.format(header="backward_launch.h", family="sm90",
+                                   declaration=SM90_BACKWARD.format(d=d, t=cpp))
+            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:
             text = TEMPLATE.format(header="launch.h", family="f32", declaration=declaration.format(d=d))

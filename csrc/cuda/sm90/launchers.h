@@ -1,5 +1,5 @@
-// Declarations of the Hopper (sm_90a) launchers; each (head dim, element type) is defined by its own generated
-// translation unit in instantiations/, compiled only when the build targets sm_90a.
+// Declarations of the Hopper (sm_90a) launchers; each (direction, head dim, element type) is defined by its own
+// generated translation unit in instantiations/, compiled only when the build targets sm_90a.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -15,5 +15,10 @@ constexpr int kForwardHeadDims[] = {64, 128, 256};
 
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
+
+// The Hopper backward (head dims 64 and 128, backward_traits.h); experimental: dispatch.cu runs it only when
+// JAX_FLASH_CUDA_KERNEL_BACKWARD asks for it.
+template <int kHeadDim, class Element>
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash::cuda::sm90

@@ -3,6 +3,10 @@
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
 //   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events)
+//   standalone_check --sm90-backward [--small]
+//                               the Hopper backward (experimental): a grid aimed at it, each case's backward forced
+//                               to sm90 where it applies (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, so a refusal fails the
+//                               case) and to sm80 elsewhere; --bench honours that variable as set by the caller
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -10,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -453,6 +458,56 @@ std::vector<Case> case_grid(bool small) {
   return cases;
 }
 
+// The Hopper backward's grid: the common variant (masks by position, lengths and segments only), head dims that
+// run on its d=64 and d=128 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so that
+// the pipelines wrap, ragged tile edges, rows and key tiles that see nothing, deterministic reruns.
+std::vector<Case> sm90_backward_grid(bool small) {
+  std::vector<Case> cases;
+  auto add = [&](Case c) { cases.push_back(c); };
+  add({.name = "sm90 bwd basic d=64"});
+  add({.name = "sm90 bwd d=128 causal GQA", .batch = 2, .seqlen_q = 200, .seqlen_k = 200, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 128, .causal = true});
+  add({.name = "sm90 bwd d=40 (padded) sq<sk", .seqlen_q = 77, .seqlen_k = 150, .head_dim = 40, .causal = true});
+  add({.name = "sm90 bwd seqlens + segments + window fp16", .batch = 3, .seqlen_q = 130, .seqlen_k = 200,
+       .heads_q = 4, .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16, .window_left = 40,
+       .window_right = 7, .seqlens = true, .segments = true, .deterministic = true});
+  add({.name = "sm90 bwd all masked rows", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
+       .window_left = 0, .window_right = 0});
+  add({.name = "sm90 bwd seqlen 1", .seqlen_q = 1, .seqlen_k = 1, .head_dim = 128});
+  if (small) return cases;
+  for (int64_t d : {8, 64, 96, 128}) {
+    for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+      add({.name = "sm90 bwd head dim sweep causal", .batch = 1, .seqlen_q = 300, .seqlen_k = 300, .heads_q = 2,
+           .heads_kv = 1, .head_dim = d, .type = t, .causal = true});
+      add({.name = "sm90 bwd head dim sweep deterministic", .batch = 2, .seqlen_q = 200, .seqlen_k = 333,
+           .heads_q = 2, .heads_kv = 2, .head_dim = d, .type = t, .deterministic = true});
+    }
+  }
+  add({.name = "sm90 bwd seqlen 1000 MQA causal d=128", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000,
+       .heads_q = 8, .heads_kv = 1, .head_dim = 128, .causal = true});
+  add({.name = "sm90 bwd seqlen 1000 non-causal d=64", .batch = 2, .seqlen_q = 1000, .seqlen_k = 1000, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 64, .deterministic = true});
+  add({.name = "sm90 bwd sq>sk causal (empty rows)", .batch = 2, .seqlen_q = 300, .seqlen_k = 90, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 128, .causal = true});
+  add({.name = "sm90 bwd top-left causal, offset -5", .seqlen_q = 190, .seqlen_k = 160, .causal = true,
+       .align_to_sequence_end = false, .diagonal_offset = -5});
+  add({.name = "sm90 bwd window only (left 16, right 0)", .seqlen_q = 257, .seqlen_k = 257, .head_dim = 128,
+       .window_left = 16, .window_right = 0});
+  add({.name = "sm90 bwd seqlens (padded rows)", .batch = 3, .seqlen_q = 129, .seqlen_k = 140, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 128, .causal = true, .seqlens = true});
+  add({.name = "sm90 bwd segments", .batch = 2, .seqlen_q = 150, .seqlen_k = 150, .segments = true});
+  add({.name = "sm90 bwd large logits", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128, .input_scale = 3.0f});
+  add({.name = "sm90 bwd falls back: softcap + alibi (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f,
+       .alibi = true});
+  return cases;
+}
+
+// Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks).
+bool sm90_backward_applies(const Case& c) {
+  return c.softcap == 0.0f && !c.alibi && c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f &&
+         c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
+}
+
 // fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16.
 void bench() {
   for (bool causal : {false, true}) {
@@ -510,15 +565,28 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "--bench") {
+  bool small = false, bench_only = false, sm90_backward = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    small |= arg == "--small";
+    bench_only |= arg == "--bench";
+    sm90_backward |= arg == "--sm90-backward";
+  }
+  if (bench_only) {
+    const char* backward = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
+    std::printf("backward family: JAX_FLASH_CUDA_KERNEL_BACKWARD=%s\n", backward ? backward : "(unset: sm80)");
     bench();
     return 0;
   }
   std::mt19937 rng(12345);
   int failures = 0, total = 0;
-  for (const Case& c : case_grid(mode == "--small")) {
+  for (const Case& c : sm90_backward ? sm90_backward_grid(small) : case_grid(small)) {
     ++total;
+    if (sm90_backward) {
+      const char* family = sm90_backward_applies(c) ? "sm90" : "sm80";
+      setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", family, 1);
+      std::printf("[backward: %s] ", family);
+    }
     if (c.type == ElementType::kFloat32) {
       AttentionParams p{};
       p.element_type = ElementType::kFloat32;
