@@ -7,7 +7,9 @@ backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
       [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout] [--float32]
-jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md).
+jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md);
+jax_flash_sm90_bwd (only when named in --impls) is the sm90 forward plus the experimental Hopper backward
+(JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90); the other jax_flash rows run the sm80 backward.
 --features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
 highest) with XLA float32 attention at default and "highest" matmul precision.
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
@@ -29,7 +31,12 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 TOKENS = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
 IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
-KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
+KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90",  # JAX_FLASH_CUDA_KERNEL per implementation
+                 "jax_flash_sm90_bwd": "sm90"}
+# JAX_FLASH_CUDA_KERNEL_BACKWARD per implementation (unset: the sm80 backward). The Hopper backward is experimental,
+# so its row is only run when asked for (--impls jax_flash_sm90_bwd), not by default.
+BACKWARD_FAMILY = {"jax_flash_sm90_bwd": "sm90"}
+EXPERIMENTAL_IMPLEMENTATIONS = ("jax_flash_sm90_bwd",)
 FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
 
 
@@ -88,17 +95,21 @@ def median_seconds(fn, args, reps: int) -> float:
 
 def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int,
             forward_only: bool = False, feature: str = "none") -> dict:
-    """One cell; the kernel-family variable is read at every call, so it is set for the whole measurement."""
-    previous = os.environ.get("JAX_FLASH_CUDA_KERNEL")
-    if implementation in KERNEL_FAMILY:
-        os.environ["JAX_FLASH_CUDA_KERNEL"] = KERNEL_FAMILY[implementation]
+    """One cell; the kernel-family variables are read at every call, so they are set for the whole measurement."""
+    settings = {"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
+                "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation)}
+    previous = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        if value is not None:
+            os.environ[name] = value
     try:
         return _measure(implementation, head_dim, seqlen, causal, reps, forward_only, feature)
     finally:
-        if previous is None:
-            os.environ.pop("JAX_FLASH_CUDA_KERNEL", None)
-        else:
-            os.environ["JAX_FLASH_CUDA_KERNEL"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int, forward_only: bool,
@@ -209,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS)
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS + EXPERIMENTAL_IMPLEMENTATIONS)
     parser.add_argument("--float32", action="store_true",
                         help="float32 inputs: jax_flash tf32/highest vs XLA float32 default/highest")
     parser.add_argument("--reps", type=int, default=10)

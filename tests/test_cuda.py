@@ -1,6 +1,7 @@
 """The CUDA kernels on a GPU: the same bound as the CPU tests against the float64 reference, agreement with the
 CPU handlers on the same inputs, gradients, determinism and CUDA graphs. Skipped when JAX sees no GPU."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -142,26 +143,91 @@ def check_gradients_on_gpu(case: Case, deterministic=False, **kwargs):
         assert_within_bound(name + " vs CPU", g, g_xla, np.asarray(g_cpu.astype(jnp.float32)), case.dtype, scale=4.0)
 
 
+# Backward kernel families: sm80 (the default) and the experimental Hopper backward, which runs only when
+# JAX_FLASH_CUDA_KERNEL_BACKWARD asks for it (read by the C++ dispatcher at every call). Forced to sm90, a call it
+# cannot run is an error, so the skips below never hide a silent fallback to sm80.
+BACKWARD_KERNELS = ("sm80", "sm90")
+SM90_BACKWARD_FEATURES = ("none", "causal", "window", "window_left_causal", "seqlens", "seqlens_causal", "segments")
+
+
+@functools.cache
+def _sm90_backward_refusal() -> str:
+    """Empty when this GPU and build run the sm90 backward, else why not (probed once with a tiny call)."""
+    if not _is_hopper():
+        return "the sm90 backward needs a compute capability 9.x GPU"
+    previous = os.environ.get("JAX_FLASH_CUDA_KERNEL_BACKWARD")
+    os.environ["JAX_FLASH_CUDA_KERNEL_BACKWARD"] = "sm90"
+    try:
+        q = jax.device_put(jnp.ones((1, 8, 1, 64), jnp.bfloat16), GPUS[0])
+        jax.block_until_ready(jax.grad(lambda x: jnp.sum(jax_flash.attention(x, x, x).astype(jnp.float32)))(q))
+        return ""
+    except Exception as error:  # noqa: BLE001 - only a build without the kernels is a reason to skip
+        if "no sm_90a backward kernel" in str(error):
+            return "this build has no sm_90a backward kernels (JAX_FLASH_CUDA_ARCHS without 90a)"
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("JAX_FLASH_CUDA_KERNEL_BACKWARD", None)
+        else:
+            os.environ["JAX_FLASH_CUDA_KERNEL_BACKWARD"] = previous
+
+
+def use_backward_kernel(monkeypatch, kernel: str, head_dim: int, feature: str = "none"):
+    if kernel == "sm90":
+        if reason := _sm90_backward_refusal():
+            pytest.skip(reason)
+        if head_dim % 8 != 0 or head_dim > 128:
+            pytest.skip("the sm90 backward has d=64 and d=128 kernels (TMA: head_dim % 8 == 0)")
+        if feature not in SM90_BACKWARD_FEATURES:
+            pytest.skip(f"{feature} runs on the sm80 backward only")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", kernel)
+
+
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 192, 256, 40))
 @pytest.mark.parametrize("seqlens", ((1, 1), (17, 17), (1000, 1000), (64, 300), (300, 64)),
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_shapes(dtype, head_dim, seqlens):
+def test_backward_shapes(dtype, head_dim, seqlens, kernel, monkeypatch):
+    use_backward_kernel(monkeypatch, kernel, head_dim)
     case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, seed=head_dim + 1)
     check_gradients_on_gpu(case, causal=head_dim % 64 == 0)
 
 
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("heads", ((4, 4), (8, 2), (4, 1)), ids=("mha", "gqa", "mqa"))
 @pytest.mark.parametrize("seqlens", ((40, 300), (300, 40)), ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_features(feature, heads, seqlens):
+def test_backward_features(feature, heads, seqlens, kernel, monkeypatch):
+    use_backward_kernel(monkeypatch, kernel, 64, feature)
     case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1], head_dim=64,
                 dtype=jnp.bfloat16, seed=len(feature) + 1)
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
-@pytest.mark.parametrize("feature", ("causal", "everything"))
-def test_deterministic_backward_is_bit_identical(feature):
+@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments"))
+def test_backward_sm90_long_sequences(feature, monkeypatch):
+    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop, d=128."""
+    use_backward_kernel(monkeypatch, "sm90", 128, feature)
+    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
+                seed=12)
+    check_gradients_on_gpu(case, **feature_kwargs(feature, case))
+
+
+def test_forcing_sm90_backward_on_an_unsupported_call_is_a_clear_error(monkeypatch):
+    if reason := _sm90_backward_refusal():
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
+    q, k, v = _on(GPUS[0], *Case(head_dim=64, dtype=jnp.bfloat16).inputs())
+    with pytest.raises(Exception, match="sm90 backward cannot run this call"):
+        jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
+            jax_flash.attention(q_, k, v, softcap=3.0).astype(jnp.float32)))(q))
+
+
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
+@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "everything"))
+def test_deterministic_backward_is_bit_identical(feature, kernel, monkeypatch):
+    use_backward_kernel(monkeypatch, kernel, 128, feature)
     case = Case(batch=2, seqlen_q=1000, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16)
     q, k, v = _on(GPUS[0], *case.inputs())
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])

@@ -212,8 +212,8 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
     return "softcap, ALiBi, bias, mask and dropout run on the sm80 backward only";
   }
   if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";  // TMA row strides
-  for (const void* ptr : {p.q, p.k, p.v, p.o, p.d_o, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
-                          static_cast<const void*>(p.dv)}) {
+  const void* operands[] = {p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv};
+  for (const void* ptr : operands) {
     if (!aligned16(ptr)) return "q, k, v, o, dO, dq, dk and dv must be 16-byte aligned";
   }
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
