@@ -230,12 +230,13 @@ __device__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyB
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
   // of K and V (and have retired), so dK and dV are staged there for 16-byte row stores.
+  // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
+  Tensor dv_out = sm80::converted<T>(acc_dv);
+  copy(dv_out, thr_dkv.partition_C(sV));
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = sm80::converted<T>(acc_dk);
-  Tensor dv_out = sm80::converted<T>(acc_dv);
   copy(dk_out, thr_dkv.partition_C(sK));
-  copy(dv_out, thr_dkv.partition_C(sV));
   named_barrier_sync(kDkdvEpilogueBarrier + group, 128);
   const int rows_begin = group * 64;
   store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);

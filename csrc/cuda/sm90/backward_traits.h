@@ -19,7 +19,8 @@ struct BackwardTile {
 // dK and dV head_dim / 2 each; dQ kernel S and dP block_n / 2 each, dQ head_dim / 2.
 // smem: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2; dQ 2 * block_m * d * 2 + stages * 2 * block_n * d * 2.
 constexpr BackwardTile dkdv_tile(int head_dim) {
-  return head_dim <= 64 ? BackwardTile{128, 128, 2}    // d=64:  32 + 64 KiB; 64 + 64 + 32 + 32 floats
+  // d=64 with 128-row query tiles (64 + 64 + 32 + 32 floats) spilled; 64 rows and a third stage instead.
+  return head_dim <= 64 ? BackwardTile{64, 128, 3}     // d=64:  32 + 48 KiB; 32 + 32 + 32 + 32 floats
                         : BackwardTile{64, 128, 2};    // d=128: 64 + 64 KiB; 32 + 32 + 64 + 64 floats
 }
 constexpr BackwardTile dq_tile(int head_dim) {
