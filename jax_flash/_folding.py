@@ -46,9 +46,8 @@ def fold_dense(axis_size: int, batch: int, in_batched: DenseOperands, dense: Den
 
 
 def unfold_dbias(dbias: jax.Array, bias: jax.Array, batched: bool, axis_size: int) -> tuple[jax.Array, bool]:
-    """The gradient of a bias folded by ``fold_dense`` and whether it is batched."""
-    if not batched and bias.shape[0] == 1:
-        return dbias, False  # the kernels summed over the whole folded batch
+    """The per-example gradient of a bias folded by ``fold_dense`` (the backward folds a shared bias as a batched
+    one, so that the kernels never sum it over the examples) and whether it is batched."""
     dbias = unfold(dbias, axis_size)
     if batched and bias.shape[1] == 1:
         return jnp.sum(dbias, axis=1, keepdims=True), True

@@ -22,16 +22,17 @@ FLOAT32_PRECISIONS = ("tf32", "highest")
 def allow_tf32(value: object) -> bool:
     """``float32_precision`` as the kernels take it: True for ``"tf32"``, False for ``"highest"``.
 
-    Also accepts ``jax.lax.Precision`` (and its string names): ``DEFAULT`` means TF32 as it does for XLA's float32
-    matmuls on the GPU; ``HIGH`` and ``HIGHEST`` ask for more than TF32, so they get exact float32.
+    Also accepts ``jax.lax.Precision`` (and its string names) with their meaning for XLA's float32 matmuls on the
+    GPU: ``DEFAULT`` and ``HIGH`` (``"tensorfloat32"``, ``"bfloat16_3x"``) run on TF32 tensor cores, ``HIGHEST``
+    (``"float32"``) in exact float32.
     """
     if isinstance(value, jax.lax.Precision):
-        return value == jax.lax.Precision.DEFAULT
+        return value != jax.lax.Precision.HIGHEST
     if isinstance(value, str):
         name = value.lower()
-        if name in ("tf32", "tensorfloat32", "default", "bfloat16", "fastest"):
+        if name in ("tf32", "tensorfloat32", "default", "bfloat16", "fastest", "high", "bfloat16_3x"):
             return True
-        if name in ("highest", "float32", "high", "bfloat16_3x"):
+        if name in ("highest", "float32"):
             return False
     raise ValueError(f"float32_precision must be 'tf32' or 'highest' (or a jax.lax.Precision), got {value!r}")
 

@@ -152,8 +152,9 @@ def attention(
       float32_precision: for float32 inputs on the GPU (ignored otherwise): ``"tf32"`` (default, like XLA's
         default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation;
         ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower). Forward and backward use the
-        same mode. Also accepts ``jax.lax.Precision``: ``DEFAULT`` is ``"tf32"``, ``HIGH``/``HIGHEST`` are
-        ``"highest"``. The CPU kernels are always exact.
+        same mode. Also accepts ``jax.lax.Precision`` as XLA reads it for float32 on the GPU: ``DEFAULT`` and
+        ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact. The float32 GPU
+        kernels do not take ``bias``, ``mask`` or dropout yet: such a call fails with an error saying so.
 
     Returns:
       ``o`` of shape ``[batch, seqlen_q, heads_q, head_dim]`` in the input dtype, or ``(o, lse)`` when

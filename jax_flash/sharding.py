@@ -442,13 +442,19 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     @run.def_vmap
     def _(axis_size, in_batched, *args):
         *arrays, dense = args
+        dense_batched = in_batched[-1]
+        if want_dbias and not dense_batched.bias:
+            # Each example needs its own dbias (vmap of grad): a shared bias is copied per example, so the
+            # kernels do not sum its gradient over the folded batch. (grad of vmap then sums the copies.)
+            dense = dense._replace(bias=jnp.broadcast_to(dense.bias, (axis_size, *dense.bias.shape)))
+            dense_batched = dense_batched._replace(bias=True)
         batch = arrays[0].shape[1 if in_batched[0] else 0]
         grads = backward(*_folding.fold_all(axis_size, in_batched[:-1], arrays), config,
-                         _folding.fold_dense(axis_size, batch, in_batched[-1], dense), want_dbias)
+                         _folding.fold_dense(axis_size, batch, dense_batched, dense), want_dbias)
         unfolded = tuple(_folding.unfold(g, axis_size) for g in grads[:3])
         if not want_dbias:
             return unfolded, (True,) * 3
-        dbias, batched = _folding.unfold_dbias(grads[3], dense.bias, in_batched[-1].bias, axis_size)
+        dbias, batched = _folding.unfold_dbias(grads[3], dense.bias, dense_batched.bias, axis_size)
         return (*unfolded, dbias), (True,) * 3 + (batched,)
 
     return run(q, k, v, o, lse, d_o, d_lse, masks, dense)

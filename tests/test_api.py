@@ -236,7 +236,7 @@ def test_dropout_rate_that_rounds_to_one_in_float32_is_refused():
 
 @pytest.mark.parametrize("precision, allow_tf32", [
     ("tf32", True), ("highest", False), ("HIGHEST", False), (jax.lax.Precision.DEFAULT, True),
-    (jax.lax.Precision.HIGH, False), (jax.lax.Precision.HIGHEST, False), ("float32", False)])
+    (jax.lax.Precision.HIGH, True), ("tensorfloat32", True), (jax.lax.Precision.HIGHEST, False), ("float32", False)])
 def test_float32_precision_reaches_the_custom_call(precision, allow_tf32):
     q, k, v = _inputs()
     text = jax.jit(lambda *a: jax_flash.attention(*a, float32_precision=precision)).lower(q, k, v).as_text()

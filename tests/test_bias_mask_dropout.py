@@ -79,6 +79,19 @@ def test_vmap_with_shared_bias():
     np.testing.assert_allclose(np.asarray(dbias), np.asarray(dbias_loop), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(4, 37, 70), (1, 1, 37, 70), (2, 4, 37, 70)], ids=str)
+def test_per_example_dbias_under_vmap_of_grad(shape):
+    """vmap(grad) of a shared (unbatched) bias gives each example its own dbias, not the sum over examples."""
+    q, k, v = CASE.inputs()
+    qs = jnp.stack([q, 2 * q, -q])
+    bias = _bias(shape)
+    loss = lambda q_, b: jnp.sum(jax_flash.attention(q_, k, v, bias=b) ** 2)
+    per_example = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(qs, bias)
+    looped = jnp.stack([jax.grad(loss, argnums=1)(x, bias) for x in qs])
+    assert per_example.shape == (3, *shape)
+    np.testing.assert_allclose(np.asarray(per_example), np.asarray(looped), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rate", (0.1, 0.5))
 def test_dropout_mask_is_bit_identical_to_the_generator(rate):
     """With one-hot value rows, o = dropout(P) row by row: its zeros are exactly the dropped elements."""

@@ -290,6 +290,15 @@ def _grads_with_bias(q, k, v, d_o, bias, implementation=None, **kwargs):
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
 
 
+@pytest.mark.parametrize("scale", (-0.3, 0.0), ids=("negative", "zero"))
+def test_non_positive_softmax_scale(scale):
+    """The common kernels fold a positive scale into exp2 after the row max of raw dots; other scales take the
+    general variant (found in review: they would give inf/NaN there)."""
+    case = Case(batch=2, seqlen_q=70, seqlen_k=150, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16, seed=3)
+    check_forward_on_gpu(case, softmax_scale=scale, causal=True)
+    check_gradients_on_gpu(case, softmax_scale=scale, causal=True)
+
+
 def _oracle_grads_with_bias(q, k, v, d_o, bias, **kwargs):
     with jax.enable_x64(True):
         args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias)]

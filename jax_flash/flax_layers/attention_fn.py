@@ -85,8 +85,8 @@ def dot_product_attention(
       dtype: compute dtype; ``query``, ``key`` and ``value`` are promoted to it
         (default: their common dtype), as in Flax.
       precision: for float32 inputs on the GPU, as for Flax's einsums:
-        ``None`` or ``jax.lax.Precision.DEFAULT`` multiplies on TF32 tensor
-        cores, ``HIGH``/``HIGHEST`` in exact float32 (see
+        ``None``, ``DEFAULT`` or ``HIGH`` multiplies on TF32 tensor cores,
+        ``HIGHEST`` in exact float32 (see
         ``jax_flash.attention``'s ``float32_precision``). 16-bit inputs are
         multiplied in their dtype; accumulation is always float32.
       module: the module Flax passes when ``sow_weights=True``; must be ``None``.

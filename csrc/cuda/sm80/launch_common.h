@@ -24,10 +24,18 @@ inline std::string last_launch_error(const char* what) {
 }
 
 // Opts a kernel into more than the default 48 KiB of dynamic shared memory (not a stream operation, so it is
-// allowed during CUDA graph capture).
+// allowed during CUDA graph capture). A GPU with less shared memory per block than the tile needs (e.g. sm_86/89
+// with large head dims) gets a message that says so rather than "invalid argument".
 template <class Kernel>
 std::string allow_dynamic_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return {};
+  int device = 0, limit = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+      bytes > limit) {
+    return "this kernel's tiles need " + std::to_string(bytes) + " bytes of shared memory per block; this GPU "
+           "allows " + std::to_string(limit) + " (a smaller head dim runs)";
+  }
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
   return {};

@@ -26,10 +26,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // The "general" variant: anything that needs each score element by element (softcap, ALiBi, an additive bias, a
 // boolean mask) or each probability (dropout). A compile-time choice (kernels are built both ways) because its
 // registers would otherwise crowd the accumulators of the common case. Without it the tile keeps raw dots and
-// the scale is folded into the exp2 argument.
+// the scale is folded into the exp2 argument -- which needs softmax_scale > 0: the row maximum of raw dots is the
+// maximum of the scores only for a positive scale, and a zero scale would turn masked -inf dots into NaN.
 __host__ __device__ inline bool needs_general_variant(const AttentionParams& p) {
   return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
-         p.dropout_rate > 0.0f;
+         p.dropout_rate > 0.0f || !(p.softmax_scale > 0.0f);
 }
 
 // Callbacks of ScoreTile::apply that do nothing.

@@ -132,9 +132,11 @@ __device__ void produce(const ForwardArgs<Traits>& args, const RowBlock& rb, typ
 }
 
 // Consumer warpgroup `group` (0-based among consumers): its 64 rows through every key tile, then the epilogue.
+// Force-inlined: as a called function, ptxas serialises every WGMMA of the general variant (C7510).
 template <class Traits, bool kTransforms>
-__device__ void consume(const AttentionParams& p, const RowBlock& rb, typename Traits::SharedStorage& smem,
-                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v, int group) {
+__device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock& rb,
+                                       typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_k,
+                                       typename Traits::Pipeline& pipeline_v, int group) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
