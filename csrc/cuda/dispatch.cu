@@ -206,10 +206,11 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   // Only the common variant exists (the transposed score step of sm90/transposed_scores.h has no
-  // softcap/ALiBi/bias/mask/dropout).
+  // softcap/ALiBi/bias/mask/dropout, and folds a positive scale into exp2: a zero one would turn masked -inf dots
+  // into NaN).
   if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
-      p.dropout_rate > 0.0f || p.dbias != nullptr) {
-    return "softcap, ALiBi, bias, mask and dropout run on the sm80 backward only";
+      p.dropout_rate > 0.0f || p.dbias != nullptr || !(p.softmax_scale > 0.0f)) {
+    return "softcap, ALiBi, bias, mask, dropout and softmax_scale <= 0 run on the sm80 backward only";
   }
   if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";  // TMA row strides
   const void* operands[] = {p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv};

@@ -158,10 +158,12 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
 }
 
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item, then the epilogue.
+// Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
 template <class Traits>
-__device__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
-                                    typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_qdo,
-                                    typename Traits::StatsPipeline& pipeline_stats, int group) {
+__device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
+                                                   typename Traits::SharedStorage& smem,
+                                                   typename Traits::Pipeline& pipeline_qdo,
+                                                   typename Traits::StatsPipeline& pipeline_stats, int group) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;

@@ -94,10 +94,11 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
 }
 
 // Consumer warpgroup `group`: dQ of its 64 rows over every visible key tile, then the epilogue.
+// Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
 template <class Traits>
-__device__ void consume_key_tiles(const AttentionBackwardParams& p, const RowBlock& rb,
-                                  typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_kv,
-                                  int group) {
+__device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams& p, const RowBlock& rb,
+                                                 typename Traits::SharedStorage& smem,
+                                                 typename Traits::Pipeline& pipeline_kv, int group) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
