@@ -183,10 +183,9 @@ std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
   return result;
 }
 
-// ---- Backward kernel family. The Hopper backward (sm90/backward_*.h) is experimental until validated on a GPU,
-// so it is opt-in only:
-// JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90 forces it (an error naming the reason where it cannot run), =auto takes it
-// where it applies, unset or sm80 keeps the sm80 backward. Read at every call.
+// ---- Backward kernel family: sm80 by default. The Hopper backward (sm90/backward_*.h) is experimental until
+// validated on a GPU, so it is opt-in: JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90 forces it (an error naming the reason
+// where it cannot run), =auto takes it where it applies; unset or sm80 keeps sm80. Read at every call.
 
 constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST};
 
