@@ -20,8 +20,12 @@ if [ $status -ne 0 ]; then tail -n 60 "$out/build.log"; exit 1; fi
 check=$repo/build/standalone_check
 
 timeout 90 "$check" --sm90-backward > "$out/standalone_sm90_backward.log" 2>&1
-stamp "standalone --sm90-backward exit $?"
+status=$?
+stamp "standalone --sm90-backward exit $status"
 grep -E "FAIL|passed" "$out/standalone_sm90_backward.log" | tail -n 20
+if [ $status -eq 124 ]; then  # a hang (pipeline deadlock): every later stage would hang too
+  tail -n 30 "$out/standalone_sm90_backward.log"; exit 1
+fi
 
 # The pytest cases of the sm90 backward (ids carry "sm90") run while the sanitizers take turns on the small grid.
 (cd /tmp && timeout 180 python3 -m pytest -q -p no:cacheprovider -n 8 --rootdir "$repo" "$repo/tests/test_cuda.py" \
