@@ -31,8 +31,8 @@ constexpr int kDqEpilogueBarrier = 1;
 
 // Stores rows [row_begin, row_end) of the [kBlockM, kHeadDim] dQ tile staged in `staged`, or zeros when null.
 template <class Traits, class Staged>
-__device__ void store_query_rows(const AttentionBackwardParams& p, const RowBlock& rb, Staged const* staged, int row_begin,
-                                 int row_end, int thread, int threads) {
+__device__ void store_query_rows(const AttentionBackwardParams& p, const RowBlock& rb, Staged const* staged,
+                                 int row_begin, int row_end, int thread, int threads) {
   using T = typename Traits::Element;
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   constexpr int kChunksPerRow = Traits::kHeadDim / 8;

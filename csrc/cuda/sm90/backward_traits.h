@@ -17,7 +17,8 @@ struct BackwardTile {
 
 // Registers per consumer thread (240 after setmaxnreg), floats: dK/dV kernel S^T and dP^T block_m / 2 each,
 // dK and dV head_dim / 2 each; dQ kernel S and dP block_n / 2 each, dQ head_dim / 2.
-// smem: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2; dQ 2 * block_m * d * 2 + stages * 2 * block_n * d * 2.
+// smem bytes: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2;
+//             dQ    2 * block_m * d * 2 + stages * 2 * block_n * d * 2.
 constexpr BackwardTile dkdv_tile(int head_dim) {
   // d=64 with 128-row query tiles (64 + 64 + 32 + 32 floats) spilled; 64 rows and a third stage instead.
   return head_dim <= 64 ? BackwardTile{64, 128, 3}     // d=64:  32 + 48 KiB; 32 + 32 + 32 + 32 floats
