@@ -103,10 +103,18 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
           const int row = t.tx + 16 * c;
-          const ElementGrad g = element_grad<kGeneral>(p, mask, dropout, check_mask, m0 + row, n0 + key, st[r][c],
-                                                       dpt[r][c], smem_lse[row], smem_d[row]);
-          smem_scores[key * (kQueryRows + 4) + row] = g.prob_for_dv;
-          dpt[r][c] = g.dscore;  // kept for the second half
+          float prob, dscore;
+          if constexpr (kGeneral) {
+            const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, st[r][c],
+                                               dpt[r][c], smem_lse[row], smem_d[row]);
+            prob = g.prob_for_dv;
+            dscore = g.dscore;
+          } else {
+            common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
+                                        smem_lse[row], smem_d[row], &prob, &dscore);
+          }
+          smem_scores[key * (kQueryRows + 4) + row] = prob;
+          dpt[r][c] = dscore;  // kept for the second half
         }
       }
       __syncthreads();
@@ -213,10 +221,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int key = t.tx + 16 * c;
-        const ElementGrad g = element_grad<kGeneral>(p, mask, dropout, check_mask, m0 + row, n0 + key, s[r][c],
-                                                     dp[r][c], lse[r], softmax_d[r]);
-        smem_ds[row * (kTileRows + 4) + key] = g.dscore;
-        if constexpr (kGeneral) add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        if constexpr (kGeneral) {
+          const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c],
+                                             lse[r], softmax_d[r]);
+          smem_ds[row * (kTileRows + 4) + key] = g.dscore;
+          add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        } else {
+          float prob, dscore;
+          common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c], lse[r],
+                                      softmax_d[r], &prob, &dscore);
+          smem_ds[row * (kTileRows + 4) + key] = dscore;
+        }
       }
     }
     __syncthreads();

@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(kThreads) dbias_kernel(const AttentionBackward
           for (int r = 0; r < kRowsPerThread; ++r)
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
-              const ElementGrad g = element_grad<true>(p, mask, dropout, check_mask, m0 + t.ty + 16 * r,
-                                                       n0 + t.tx + 16 * c, s[r][c], dp[r][c], lse[r], softmax_d[r]);
+              const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + t.ty + 16 * r,
+                                                 n0 + t.tx + 16 * c, s[r][c], dp[r][c], lse[r], softmax_d[r]);
               if (g.scored) acc[r][c] += g.dbias;
             }
         }

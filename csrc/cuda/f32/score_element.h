@@ -30,19 +30,13 @@ __device__ __forceinline__ bool tile_needs_mask(const SliceMask& mask, int64_t r
   return (kGeneral && mask.mask != nullptr) || !tile_fully_visible(mask, row0, rows, col0, cols);
 }
 
-// Final score of element (i, j) from its raw dot, -inf where masked. The visibility test comes first: it keeps
-// the bias read inside the slice. *grad: d(score)/d(scaled dot) (the softcap factor; 1 without softcap).
-template <bool kGeneral>
-__device__ __forceinline__ float element_score(const AttentionParams& p, const SliceMask& mask, bool check_mask,
+// General variant: final score of element (i, j) from its raw dot, -inf where masked. The visibility test
+// comes first: it keeps the bias read inside the slice. *grad: d(score)/d(scaled dot) (the softcap factor).
+__device__ __forceinline__ float general_score(const AttentionParams& p, const SliceMask& mask, bool check_mask,
                                                int64_t i, int64_t j, float dot, float* grad) {
-  if constexpr (kGeneral) {
-    if (check_mask && !mask.visible(i, j)) return -INFINITY;
-    return transform_score(dot, p.softmax_scale, p.softcap, mask.alibi_slope, i, j, mask.diagonal_shift, grad) +
-           mask.bias_at(i, j);
-  } else {
-    const float score = dot * p.softmax_scale;
-    return check_mask && !mask.visible(i, j) ? -INFINITY : score;
-  }
+  if (check_mask && !mask.visible(i, j)) return -INFINITY;
+  return transform_score(dot, p.softmax_scale, p.softcap, mask.alibi_slope, i, j, mask.diagonal_shift, grad) +
+         mask.bias_at(i, j);
 }
 
 // Dropout of one (batch, head) slice: element (i, j) is kept when its Philox word reaches the threshold;
@@ -79,7 +73,8 @@ struct SliceDropout {
 // score of -inf (a -inf bias).
 __device__ __forceinline__ float backward_lse(float lse) { return lse == -INFINITY ? INFINITY : lse; }
 
-// Backward of one score element: P = exp(score - lse) and, with dropout factor f (0, 1/(1-rate), or 1),
+// General variant, backward of one score element: P = exp(score - lse) and, with dropout factor f (0,
+// 1/(1-rate), or 1),
 //   prob_for_dv = f P,  dbias = P (f dP - D)  (d loss / d biased score),  dscore = dbias * dsoftcap.
 // All 0 where masked (scored: false there, and for a score of -inf).
 struct ElementGrad {
@@ -89,24 +84,29 @@ struct ElementGrad {
   bool scored;
 };
 
-template <bool kGeneral>
-__device__ __forceinline__ ElementGrad element_grad(const AttentionParams& p, const SliceMask& mask,
-                                                    const SliceDropout& dropout, bool check_mask, int64_t i,
-                                                    int64_t j, float dot, float dp, float lse, float softmax_d) {
-  if constexpr (kGeneral) {
-    float grad = 1.0f;
-    const float score = element_score<kGeneral>(p, mask, check_mask, i, j, dot, &grad);
-    if (score == -INFINITY) return {0.0f, 0.0f, 0.0f, false};
-    const float prob = expf(score - lse);
-    const float f = dropout.factor(i, j);
-    const float dbias = prob * (f * dp - softmax_d);
-    return {f * prob, dbias * grad, dbias, true};
-  } else {
-    const bool visible = !check_mask || mask.visible(i, j);
-    const float prob = visible ? expf(dot * p.softmax_scale - lse) : 0.0f;
-    const float dscore = prob * (dp - softmax_d);
-    return {prob, dscore, dscore, visible};
-  }
+__device__ __forceinline__ ElementGrad general_grad(const AttentionParams& p, const SliceMask& mask,
+                                                   const SliceDropout& dropout, bool check_mask, int64_t i,
+                                                   int64_t j, float dot, float dp, float lse, float softmax_d) {
+  float grad = 1.0f;
+  const float score = general_score(p, mask, check_mask, i, j, dot, &grad);
+  if (score == -INFINITY) return {0.0f, 0.0f, 0.0f, false};
+  const float prob = expf(score - lse);
+  const float f = dropout.factor(i, j);
+  const float dbias = prob * (f * dp - softmax_d);
+  return {f * prob, dbias * grad, dbias, true};
+}
+
+// Common variant: P = exp(scale dot - lse) and dS = P (dP - D) for one score element; 0 where masked.
+__device__ __forceinline__ void common_probability_and_grad(const AttentionParams& p, const SliceMask& mask,
+                                                            bool check_mask, int64_t i, int64_t j, float dot,
+                                                            float dp, float lse, float softmax_d, float* prob,
+                                                            float* dscore) {
+  float grad = 1.0f;
+  const float score = dot * p.softmax_scale;
+  const bool visible = !check_mask || mask.visible(i, j);
+  const float pr = visible ? expf(score - lse) : 0.0f;
+  *prob = pr;
+  *dscore = pr * (dp - softmax_d) * grad;
 }
 
 // The dQ passes hand each scored element's d loss / d biased score to dbias (dbias_plan.h); the others add 0.

@@ -106,10 +106,15 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
         for (int e = 0; e < 4; ++e) {
           const int key = warp_row + lane.g + 8 * (e / 2);
           const int row = 8 * t + 2 * lane.q + e % 2;
-          const ElementGrad g = element_grad<kGeneral>(p, mask, dropout, check_mask, m0 + row, n0 + key, st[t][e],
-                                                       dpt[t][e], smem_lse[row], smem_d[row]);
-          st[t][e] = g.prob_for_dv;
-          dpt[t][e] = g.dscore;
+          if constexpr (kGeneral) {
+            const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, st[t][e],
+                                               dpt[t][e], smem_lse[row], smem_d[row]);
+            st[t][e] = g.prob_for_dv;
+            dpt[t][e] = g.dscore;
+          } else {
+            common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
+                                        smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
+          }
         }
       warp_pb<kRowTiles, kDimTiles, G::kStride>(st, smem_do, lane, dv);
       warp_pb<kRowTiles, kDimTiles, G::kStride>(dpt, smem_q, lane, dk);
@@ -216,10 +221,16 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int row = warp_row + lane.g + 8 * (e / 2);
         const int key = 8 * t + 2 * lane.q + e % 2;
-        const ElementGrad g = element_grad<kGeneral>(p, mask, dropout, check_mask, m0 + row, n0 + key, s[t][e],
-                                                     dp[t][e], lse[e / 2], softmax_d[e / 2]);
-        dp[t][e] = g.dscore;
-        if constexpr (kGeneral) add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        if constexpr (kGeneral) {
+          const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e],
+                                             lse[e / 2], softmax_d[e / 2]);
+          dp[t][e] = g.dscore;
+          add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        } else {
+          float prob;
+          common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e], lse[e / 2],
+                                      softmax_d[e / 2], &prob, &dp[t][e]);
+        }
       }
     warp_pb<kKeyTiles, kDimTiles, G::kStride>(dp, smem_k, lane, dq);
   }
