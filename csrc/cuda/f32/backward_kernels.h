@@ -93,6 +93,13 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
         smem_d[r] = r < valid_rows ? stats_d[m0 + r] : 0.0f;
       }
       __syncthreads();
+      [[maybe_unused]] uint32_t keep = 0;  // element e: key t.ty + 16 (e / kCols), query t.tx + 16 (e % kCols)
+      if constexpr (kGeneral) {
+        keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+          *i = m0 + t.tx + 16 * (e % kCols);
+          *j = n0 + t.ty + 16 * (e / kCols);
+        });
+      }
       float st[kRowsPerThread][kCols], dpt[kRowsPerThread][kCols];
       tile_abt<kHeadDim, kCols>(smem_k, smem_q, t, st);
       tile_abt<kHeadDim, kCols>(smem_v, smem_do, t, dpt);
@@ -105,8 +112,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
           const int row = t.tx + 16 * c;
           float prob, dscore;
           if constexpr (kGeneral) {
-            const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, st[r][c],
-                                               dpt[r][c], smem_lse[row], smem_d[row]);
+            const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
+                                               smem_lse[row], smem_d[row], dropout.factor(keep, r * kCols + c));
             prob = g.prob_for_dv;
             dscore = g.dscore;
           } else {
@@ -207,6 +214,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
     load_tile<kTileRows, kHeadDim>(smem_kv, v_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
                                    valid_keys, head_dim, vectorized);
     __syncthreads();
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + t.ty + 16 * (e / kCols);
+        *j = n0 + t.tx + 16 * (e % kCols);
+      });
+    }
     float dp[kRowsPerThread][kCols], s[kRowsPerThread][kCols];
     tile_abt<kHeadDim, kCols>(smem_do, smem_kv, t, dp);
     __syncthreads();
@@ -222,8 +236,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
       for (int c = 0; c < kCols; ++c) {
         const int key = t.tx + 16 * c;
         if constexpr (kGeneral) {
-          const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c],
-                                             lse[r], softmax_d[r]);
+          const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c], lse[r],
+                                             softmax_d[r], dropout.factor(keep, r * kCols + c));
           smem_ds[row * (kTileRows + 4) + key] = g.dscore;
           add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
         } else {

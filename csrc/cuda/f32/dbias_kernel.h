@@ -82,6 +82,10 @@ __global__ void __launch_bounds__(kThreads) dbias_kernel(const AttentionBackward
             softmax_d[r] = row < q_rows ? p.softmax_d[stats + row] : 0.0f;
           }
           __syncthreads();
+          const uint32_t keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+            *i = m0 + t.ty + 16 * (e / kCols);
+            *j = n0 + t.tx + 16 * (e % kCols);
+          });
           float s[kRowsPerThread][kCols], dp[kRowsPerThread][kCols];
           tile_abt<kHeadDim, kCols>(smem_do, smem_kv, t, dp);
           __syncthreads();
@@ -94,8 +98,9 @@ __global__ void __launch_bounds__(kThreads) dbias_kernel(const AttentionBackward
           for (int r = 0; r < kRowsPerThread; ++r)
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
-              const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + t.ty + 16 * r,
-                                                 n0 + t.tx + 16 * c, s[r][c], dp[r][c], lse[r], softmax_d[r]);
+              const ElementGrad g =
+                  general_grad(p, mask, check_mask, m0 + t.ty + 16 * r, n0 + t.tx + 16 * c, s[r][c], dp[r][c],
+                               lse[r], softmax_d[r], dropout.factor(keep, r * kCols + c));
               if (g.scored) acc[r][c] += g.dbias;
             }
         }

@@ -71,6 +71,13 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
     load_tile<kTileRows, kHeadDim>(smem_kv, k_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
                                    valid_keys, static_cast<int>(p.head_dim), vectorized);
     __syncthreads();
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + t.ty + 16 * (e / kCols);
+        *j = n0 + t.tx + 16 * (e % kCols);
+      });
+    }
     float s[kRowsPerThread][kCols];
     tile_abt<kHeadDim, kCols>(smem_q, smem_kv, t, s);
 
@@ -118,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
       for (int c = 0; c < kCols; ++c) {
         float prob = s[r][c];
         if constexpr (kGeneral) {  // dropout: only P V sees it
-          if (dropout.active && prob > 0.0f) prob *= dropout.factor(m0 + t.ty + 16 * r, n0 + t.tx + 16 * c);
+          prob *= dropout.factor(keep, r * kCols + c);
         }
         smem_p[(t.ty + 16 * r) * (kTileRows + 4) + t.tx + 16 * c] = prob;
       }

@@ -62,10 +62,26 @@ struct SliceDropout {
     }
     return d;
   }
-  // What multiplies the probability of element (i, j): 0 (dropped), keep_scale (kept), 1 without dropout.
-  __device__ __forceinline__ float factor(int64_t i, int64_t j) const {
+  // Keep bits of a thread's kElems (<= 32) score elements, bit e for element e at coordinates
+  // coord(e, &i, &j). Computed before a tile's GEMMs, while their accumulators are not yet live, in a loop that
+  // is deliberately not unrolled: Philox's rounds then appear once in the code instead of once per element.
+  template <int kElems, class Coord>
+  __device__ __forceinline__ uint32_t keep_bits(Coord coord) const {
+    static_assert(kElems <= 32, "one 32-bit word of keep bits");
+    uint32_t bits = 0;
+    if (!active) return bits;
+#pragma unroll 1
+    for (int e = 0; e < kElems; ++e) {
+      int64_t i, j;
+      coord(e, &i, &j);
+      bits |= uint32_t(dropout_keeps(seed, threshold, (row_base + i) * seqlen_k + j)) << e;
+    }
+    return bits;
+  }
+  // What multiplies the probability of element e: 0 (dropped), keep_scale (kept), 1 without dropout.
+  __device__ __forceinline__ float factor(uint32_t bits, int e) const {
     if (!active) return 1.0f;
-    return dropout_keeps(seed, threshold, (row_base + i) * seqlen_k + j) ? keep_scale : 0.0f;
+    return (bits >> e) & 1u ? keep_scale : 0.0f;
   }
 };
 
@@ -74,7 +90,7 @@ struct SliceDropout {
 __device__ __forceinline__ float backward_lse(float lse) { return lse == -INFINITY ? INFINITY : lse; }
 
 // General variant, backward of one score element: P = exp(score - lse) and, with dropout factor f (0,
-// 1/(1-rate), or 1),
+// 1/(1-rate), or 1: SliceDropout::factor),
 //   prob_for_dv = f P,  dbias = P (f dP - D)  (d loss / d biased score),  dscore = dbias * dsoftcap.
 // All 0 where masked (scored: false there, and for a score of -inf).
 struct ElementGrad {
@@ -84,14 +100,13 @@ struct ElementGrad {
   bool scored;
 };
 
-__device__ __forceinline__ ElementGrad general_grad(const AttentionParams& p, const SliceMask& mask,
-                                                   const SliceDropout& dropout, bool check_mask, int64_t i,
-                                                   int64_t j, float dot, float dp, float lse, float softmax_d) {
+__device__ __forceinline__ ElementGrad general_grad(const AttentionParams& p, const SliceMask& mask, bool check_mask,
+                                                   int64_t i, int64_t j, float dot, float dp, float lse,
+                                                   float softmax_d, float f) {
   float grad = 1.0f;
   const float score = general_score(p, mask, check_mask, i, j, dot, &grad);
   if (score == -INFINITY) return {0.0f, 0.0f, 0.0f, false};
   const float prob = expf(score - lse);
-  const float f = dropout.factor(i, j);
   const float dbias = prob * (f * dp - softmax_d);
   return {f * prob, dbias * grad, dbias, true};
 }

@@ -94,6 +94,13 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
       __syncthreads();
 
       // Rows are keys (warp_row + g, + 8), columns queries (8 t + 2 q + e % 2).
+      [[maybe_unused]] uint32_t keep = 0;
+      if constexpr (kGeneral) {
+        keep = dropout.keep_bits<kRowTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+          *i = m0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+          *j = n0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        });
+      }
       float st[kRowTiles][4], dpt[kRowTiles][4];
       zero(st);
       zero(dpt);
@@ -107,8 +114,8 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
           const int key = warp_row + lane.g + 8 * (e / 2);
           const int row = 8 * t + 2 * lane.q + e % 2;
           if constexpr (kGeneral) {
-            const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, st[t][e],
-                                               dpt[t][e], smem_lse[row], smem_d[row]);
+            const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
+                                               smem_lse[row], smem_d[row], dropout.factor(keep, 4 * t + e));
             st[t][e] = g.prob_for_dv;
             dpt[t][e] = g.dscore;
           } else {
@@ -209,6 +216,13 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
     cp_async_wait<0>();
     __syncthreads();
     // Rows are queries (warp_row + g, + 8), columns keys (8 t + 2 q + e % 2).
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kKeyTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+      });
+    }
     float s[kKeyTiles][4], dp[kKeyTiles][4];
     zero(s);
     zero(dp);
@@ -222,8 +236,8 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
         const int row = warp_row + lane.g + 8 * (e / 2);
         const int key = 8 * t + 2 * lane.q + e % 2;
         if constexpr (kGeneral) {
-          const ElementGrad g = general_grad(p, mask, dropout, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e],
-                                             lse[e / 2], softmax_d[e / 2]);
+          const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e],
+                                             lse[e / 2], softmax_d[e / 2], dropout.factor(keep, 4 * t + e));
           dp[t][e] = g.dscore;
           add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
         } else {

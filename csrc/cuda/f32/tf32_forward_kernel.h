@@ -93,6 +93,13 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
                                                                   keys_of(n_block), head_dim, vectorized);
     cp_async_commit();
 
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kNTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+      });
+    }
     float s[kNTiles][4];
     zero(s);
     warp_abt<kHeadDim, kNTiles, G::kStrideQK, G::kStrideQK>(smem_q + warp_row * G::kStrideQK, smem_k, lane, s);
@@ -147,8 +154,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
         s[t][e] = expf(s[t][e] - base[e / 2]);
         row_sum[e / 2] += s[t][e];
         if constexpr (kGeneral) {  // dropout after the row sum: only P V sees it
-          if (dropout.active && s[t][e] > 0.0f)
-            s[t][e] *= dropout.factor(m0 + warp_row + lane.g + 8 * (e / 2), n0 + 8 * t + 2 * lane.q + e % 2);
+          s[t][e] *= dropout.factor(keep, 4 * t + e);
         }
       }
 
