@@ -3,7 +3,9 @@
 // accumulation:
 //   dK/dV: one CTA per 64 keys (4 warps x 16) and KV head, over the GQA group's heads and visible 64-query tiles:
 //          Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then dV += Pᵀ dO and dK += dSᵀ Q straight from the accumulators.
-//   dQ:    one CTA per 64 queries and head, over the visible key tiles: S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K.
+//   dQ:    one CTA per 64 queries and head, over the visible key tiles: S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; the
+//          general variant also hands each dS to dbias (stores or atomics, common/dbias_plan.h).
+// Dropout (general variant): dV = dropout(P)ᵀ dO, dS = P (dropout(dP) - D) (score_element.h).
 #pragma once
 
 #include <cmath>

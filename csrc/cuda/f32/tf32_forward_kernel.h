@@ -1,8 +1,8 @@
 // TF32 tensor-core forward (float32 in and out, float32 accumulation): FlashAttention-2's split, 4 warps per CTA
 // each owning 16 of its 64 query rows, mma.m16n8k8 TF32 for S = Q Kᵀ and O += P V (P dropped out in the general
-// variant; the lse is of the undropped probabilities). Q, K and V stay float32 in
-// shared memory (cp.async) and are rounded to TF32 as their fragments are read; the softmax runs in float32 on
-// the accumulators. V of a tile loads while S is computed, K of the next tile while P V is.
+// variant; the lse is of the undropped probabilities). Q, K and V stay float32 in shared memory (cp.async) and
+// are rounded to TF32 as their fragments are read; the softmax runs in float32 on the accumulators. V of a tile
+// loads while S is computed, K of the next tile while P V is.
 #pragma once
 
 #include <cmath>
