@@ -153,8 +153,8 @@ def attention(
         default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation;
         ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower). Forward and backward use the
         same mode. Also accepts ``jax.lax.Precision`` as XLA reads it for float32 on the GPU: ``DEFAULT`` and
-        ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact. The float32 GPU
-        kernels do not take ``bias``, ``mask`` or dropout yet: such a call fails with an error saying so.
+        ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact. ``bias``,
+        ``mask`` and dropout work in both modes.
 
     Returns:
       ``o`` of shape ``[batch, seqlen_q, heads_q, head_dim]`` in the input dtype, or ``(o, lse)`` when

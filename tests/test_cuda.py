@@ -524,3 +524,67 @@ def test_float32_modes_differ_and_tf32_is_not_exact():
               for mode in FLOAT32_MODES}
     assert errors["highest"] <= EXACT_FLOAT32_RTOL
     assert errors["tf32"] > 10 * errors["highest"], errors
+
+
+# float32 with an additive bias, a boolean mask and dropout (issues #8, #10): the same bounds as above, in both
+# modes. The mask has all-false rows (o = 0, lse = -inf, never NaN); dropout's reference draws the same keep mask.
+FLOAT32_DENSE_CASE = Case(batch=2, seqlen_q=150, seqlen_k=203, heads_q=4, heads_kv=2, head_dim=64,
+                          dtype=jnp.float32, seed=11)
+
+
+def _float32_mask_with_empty_rows(case: Case):
+    mask = jax.random.bernoulli(jax.random.key(6), 0.7, (case.batch, 1, case.seqlen_q, case.seqlen_k))
+    return mask.at[:, :, 5].set(False).at[1, :, 77].set(False)
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+@pytest.mark.parametrize("dense", ("bias", "mask", "dropout", "all"))
+def test_float32_bias_mask_dropout(precision, dense):
+    case = FLOAT32_DENSE_CASE
+    kwargs = {}
+    if dense in ("bias", "all"):
+        kwargs["bias"] = jax.random.normal(jax.random.key(1), (case.heads_q, case.seqlen_q, case.seqlen_k))
+    if dense in ("mask", "all"):
+        kwargs["mask"] = _float32_mask_with_empty_rows(case)
+    if dense in ("dropout", "all"):
+        kwargs.update(dropout_rate=0.2, dropout_rng=jax.random.key(7))
+    check_float32_on_gpu(case, precision, causal=dense == "all", **kwargs)
+    if "mask" in kwargs:
+        o, lse = jax_flash.attention(*_on(GPUS[0], *case.inputs()), return_lse=True, float32_precision=precision,
+                                     **_gpu_kwargs(kwargs))
+        assert np.all(np.isneginf(np.asarray(lse)[:, :, 5])) and np.all(np.asarray(o)[:, 5] == 0)
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+@pytest.mark.parametrize("shape", [(2, 4, 150, 203), (4, 150, 203), (1, 4, 1, 203), (203,)], ids=str)
+def test_float32_dbias(precision, deterministic, shape):
+    """dbias of full and broadcast biases (stores, atomics, or the deterministic kernel), with mask and dropout.
+    No key-broadcast shape: its dbias is 0 up to rounding (softmax is shift-invariant), so a relative bound
+    would compare noise."""
+    case = FLOAT32_DENSE_CASE
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32)
+    bias = jax.random.normal(jax.random.key(4), shape, jnp.float32)
+    kwargs = dict(causal=True, mask=_padding_mask([203, 170], case.seqlen_k), dropout_rate=0.1,
+                  dropout_rng=jax.random.key(5))
+    _poison_gpu_memory()
+    on_gpu = _on(GPUS[0], q, k, v, d_o, bias)
+    ours = _grads_with_bias(*on_gpu, deterministic=deterministic, float32_precision=precision,
+                            **_gpu_kwargs(kwargs))
+    reference = _oracle_grads_with_bias(q, k, v, d_o, bias, **kwargs)
+    assert ours[3].shape == bias.shape and ours[3].dtype == jnp.float32
+    names = ("dq", "dk", "dv", "dbias")
+    if precision == "highest":
+        for name, g, g_ref in zip(names, ours, reference):
+            error = _relative_error(g, g_ref)
+            assert error <= EXACT_FLOAT32_RTOL, f"{name}: relative error {error:.2e} > {EXACT_FLOAT32_RTOL:.0e}"
+    else:
+        with jax.default_matmul_precision("tensorfloat32"):
+            xla = _grads_with_bias(*on_gpu, implementation="xla", **_gpu_kwargs(kwargs))
+        for name, g, g_xla, g_ref in zip(names, ours, xla, reference):
+            assert_within_tf32_bound(name, g, g_xla, g_ref, scale=4.0)
+    if deterministic:
+        again = _grads_with_bias(*on_gpu, deterministic=True, float32_precision=precision, **_gpu_kwargs(kwargs))
+        for a, b in zip(ours, again):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,7 +3,9 @@
 //   2. dK, dV: one CTA per 64-key tile and KV head, looping over the query heads of its GQA group and their
 //      visible query tiles: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then Pᵀ and dSᵀ take turns in one shared score tile for
 //      dV += Pᵀ dO and dK += dSᵀ Q.
-//   3. dQ: one CTA per 64-query tile and head: dP = dO Vᵀ, S = Q Kᵀ, dS staged, dQ += dS K.
+//   3. dQ: one CTA per 64-query tile and head: dP = dO Vᵀ, S = Q Kᵀ, dS staged, dQ += dS K; the general
+//      variant also hands each dS to dbias (stores or atomics, common/dbias_plan.h).
+// With dropout (general variant), dV = dropout(P)ᵀ dO and dS = P (dropout(dP) - D) (score_element.h).
 #pragma once
 
 #include <cmath>
@@ -12,24 +14,11 @@
 #include "../../common/score_pipeline.h"
 #include "../common/block_range.h"
 #include "../sm80/tensor_offsets.h"
+#include "../common/dbias_plan.h"
+#include "score_element.h"
 #include "simt_tile.h"
 
 namespace jax_flash::cuda::f32 {
-
-// P = exp(score - lse) and dS = P (dP - D) d(score)/d(scaled dot) for one score element; 0 where masked.
-template <bool kTransforms>
-__device__ __forceinline__ void probability_and_grad(const AttentionParams& p, const SliceMask& mask,
-                                                     bool check_mask, int64_t i, int64_t j, float dot, float dp,
-                                                     float lse, float softmax_d, float* prob, float* dscore) {
-  float grad = 1.0f;
-  const float score = kTransforms ? transform_score(dot, p.softmax_scale, p.softcap, mask.alibi_slope, i, j,
-                                                    mask.diagonal_shift, &grad)
-                                  : dot * p.softmax_scale;
-  const bool visible = !check_mask || mask.visible(i, j);
-  const float pr = visible ? expf(score - lse) : 0.0f;
-  *prob = pr;
-  *dscore = pr * (dp - softmax_d) * grad;
-}
 
 // Query tiles of the dK/dV pass hold 64 rows up to head dim 128 and 32 above, so that K, V, Q, dO and the
 // score tile fit in shared memory (A100's 163 KiB at head dim 128).
@@ -43,7 +32,7 @@ struct DkdvGeometry {
   static constexpr int kBytes = (2 * kKeyElems + 2 * kQueryElems + kScoreElems + 2 * kQueryRows) * 4;
 };
 
-template <int kHeadDim, bool kTransforms>
+template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
   using G = DkdvGeometry<kHeadDim>;
   constexpr int kQueryRows = G::kQueryRows;
@@ -84,6 +73,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
   const int64_t group = p.heads_q / p.heads_kv;
   for (int64_t h = cta.head * group; h < (cta.head + 1) * group; ++h) {
     const SliceMask mask = make_slice_mask(p, cta.batch, h);
+    SliceDropout dropout;
+    if constexpr (kGeneral) dropout = SliceDropout::make(p, cta.batch, h);
     const TileSpan query_tiles = query_tiles_for_keys(mask, n0, kTileRows, kQueryRows);
     const float* stats_lse = p.lse + sm80::row_stat_offset(p, cta.batch, h, 0);
     const float* stats_d = p.softmax_d + sm80::row_stat_offset(p, cta.batch, h, 0);
@@ -98,13 +89,21 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
                                       valid_rows, head_dim, vectorized);
       for (int r = threadIdx.x; r < kQueryRows; r += kThreads) {
         smem_lse[r] = r < valid_rows ? stats_lse[m0 + r] : INFINITY;  // masked anyway; INFINITY keeps exp at 0
+        if constexpr (kGeneral) smem_lse[r] = backward_lse(smem_lse[r]);
         smem_d[r] = r < valid_rows ? stats_d[m0 + r] : 0.0f;
       }
       __syncthreads();
+      [[maybe_unused]] uint32_t keep = 0;  // element e: key t.ty + 16 (e / kCols), query t.tx + 16 (e % kCols)
+      if constexpr (kGeneral) {
+        keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+          *i = m0 + t.tx + 16 * (e % kCols);
+          *j = n0 + t.ty + 16 * (e / kCols);
+        });
+      }
       float st[kRowsPerThread][kCols], dpt[kRowsPerThread][kCols];
       tile_abt<kHeadDim, kCols>(smem_k, smem_q, t, st);
       tile_abt<kHeadDim, kCols>(smem_v, smem_do, t, dpt);
-      const bool check_mask = !tile_fully_visible(mask, m0, kQueryRows, n0, kTileRows);
+      const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kQueryRows, n0, kTileRows);
 #pragma unroll
       for (int r = 0; r < kRowsPerThread; ++r) {
         const int key = t.ty + 16 * r;
@@ -112,8 +111,15 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const AttentionBackwardP
         for (int c = 0; c < kCols; ++c) {
           const int row = t.tx + 16 * c;
           float prob, dscore;
-          probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
-                                            smem_lse[row], smem_d[row], &prob, &dscore);
+          if constexpr (kGeneral) {
+            const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
+                                               smem_lse[row], smem_d[row], dropout.factor(keep, r * kCols + c));
+            prob = g.prob_for_dv;
+            dscore = g.dscore;
+          } else {
+            common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, st[r][c], dpt[r][c],
+                                        smem_lse[row], smem_d[row], &prob, &dscore);
+          }
           smem_scores[key * (kQueryRows + 4) + row] = prob;
           dpt[r][c] = dscore;  // kept for the second half
         }
@@ -149,8 +155,8 @@ struct DqSmem {
 };
 
 // K and V take turns in one buffer: V first for dP = dO Vᵀ, then K for S = Q Kᵀ and dQ += dS K.
-template <int kHeadDim, bool kTransforms>
-__global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardParams p, bool vectorized) {
+template <int kHeadDim, bool kGeneral>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardParams p, bool vectorized, DbiasMode dbias_mode) {
   constexpr int kCols = kTileRows / kGroupLanes;
   constexpr int kOutCols = kHeadDim / 16;
   extern __shared__ __align__(16) float smem[];
@@ -164,6 +170,12 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
   const int m_block = num_m_blocks - 1 - cta.block;
   const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
   const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  SliceDropout dropout;
+  float* dbias_slice = nullptr;
+  if constexpr (kGeneral) {
+    dropout = SliceDropout::make(p, cta.batch, cta.head);
+    if (dbias_mode != DbiasMode::kNone) dbias_slice = dbias_slice_of(p, cta.batch, cta.head);
+  }
   const ThreadCoord t = thread_coord();
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   const sm80::BshdShape kv_shape = sm80::key_shape(p);
@@ -182,6 +194,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
   for (int r = 0; r < kRowsPerThread; ++r) {
     const int row = t.ty + 16 * r;
     lse[r] = row < valid_rows ? p.lse[stats + row] : INFINITY;
+    if constexpr (kGeneral) lse[r] = backward_lse(lse[r]);
     softmax_d[r] = row < valid_rows ? p.softmax_d[stats + row] : 0.0f;
   }
   const float* k_head = static_cast<const float*>(p.k) + kv_shape.offset(cta.batch, 0, head_kv);
@@ -201,6 +214,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
     load_tile<kTileRows, kHeadDim>(smem_kv, v_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
                                    valid_keys, head_dim, vectorized);
     __syncthreads();
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + t.ty + 16 * (e / kCols);
+        *j = n0 + t.tx + 16 * (e % kCols);
+      });
+    }
     float dp[kRowsPerThread][kCols], s[kRowsPerThread][kCols];
     tile_abt<kHeadDim, kCols>(smem_do, smem_kv, t, dp);
     __syncthreads();
@@ -208,17 +228,24 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const AttentionBackwardPar
                                    valid_keys, head_dim, vectorized);
     __syncthreads();
     tile_abt<kHeadDim, kCols>(smem_q, smem_kv, t, s);
-    const bool check_mask = !tile_fully_visible(mask, m0, kTileRows, n0, kTileRows);
+    const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kTileRows, n0, kTileRows);
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = t.ty + 16 * r;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int key = t.tx + 16 * c;
-        float prob, dscore;
-        probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c], lse[r],
-                                          softmax_d[r], &prob, &dscore);
-        smem_ds[row * (kTileRows + 4) + key] = dscore;
+        if constexpr (kGeneral) {
+          const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c], lse[r],
+                                             softmax_d[r], dropout.factor(keep, r * kCols + c));
+          smem_ds[row * (kTileRows + 4) + key] = g.dscore;
+          add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        } else {
+          float prob, dscore;
+          common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, s[r][c], dp[r][c], lse[r],
+                                      softmax_d[r], &prob, &dscore);
+          smem_ds[row * (kTileRows + 4) + key] = dscore;
+        }
       }
     }
     __syncthreads();

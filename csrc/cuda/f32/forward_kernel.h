@@ -1,6 +1,7 @@
 // Exact-float32 forward: one CTA owns 64 query rows of one (batch, head) and streams the visible key tiles
 // through shared memory. Per tile: S = Q Kᵀ (float32 FMA), the shared score pipeline, an online-softmax update
-// of the running row max and sum, then O += P V with P staged in shared memory. K and V share one buffer (V is
+// of the running row max and sum (of the undropped probabilities: the lse ignores dropout), then O += P V with P
+// (dropped out, in the general variant) staged in shared memory. K and V share one buffer (V is
 // loaded once S is done), which keeps two CTAs per SM at head dim 128.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include "../../common/score_pipeline.h"
 #include "../common/block_range.h"
 #include "../sm80/tensor_offsets.h"
+#include "score_element.h"
 #include "simt_tile.h"
 
 namespace jax_flash::cuda::f32 {
@@ -21,7 +23,7 @@ struct ForwardSmem {
   static constexpr int kBytes = (2 * kTileElems + kScoreElems) * int(sizeof(float));
 };
 
-template <int kHeadDim, bool kTransforms>
+template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_kernel(const AttentionParams p, bool vectorized) {
   constexpr int kCols = kTileRows / kGroupLanes;  // score columns per thread
   constexpr int kOutCols = kHeadDim / 16;
@@ -35,6 +37,8 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
   const int m_block = num_m_blocks - 1 - cta.block;  // longest causal rows first
   const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
   const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  SliceDropout dropout;
+  if constexpr (kGeneral) dropout = SliceDropout::make(p, cta.batch, cta.head);
   const ThreadCoord t = thread_coord();
 
   const int64_t m0 = int64_t(m_block) * kTileRows;
@@ -67,20 +71,31 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
     load_tile<kTileRows, kHeadDim>(smem_kv, k_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
                                    valid_keys, static_cast<int>(p.head_dim), vectorized);
     __syncthreads();
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kRowsPerThread * kCols>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + t.ty + 16 * (e / kCols);
+        *j = n0 + t.tx + 16 * (e % kCols);
+      });
+    }
     float s[kRowsPerThread][kCols];
     tile_abt<kHeadDim, kCols>(smem_q, smem_kv, t, s);
 
-    const bool check_mask = !tile_fully_visible(mask, m0, kTileRows, n0, kTileRows);
+    const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kTileRows, n0, kTileRows);
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int64_t i = m0 + t.ty + 16 * r;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int64_t j = n0 + t.tx + 16 * c;
-        float score = kTransforms ? transform_score(s[r][c], p.softmax_scale, p.softcap, mask.alibi_slope, i, j,
-                                                    mask.diagonal_shift, nullptr)
-                                  : s[r][c] * p.softmax_scale;
-        if (check_mask && !mask.visible(i, j)) score = -INFINITY;
+        float score;
+        if constexpr (kGeneral) {
+          float grad;
+          score = general_score(p, mask, check_mask, i, j, s[r][c], &grad);
+        } else {
+          score = s[r][c] * p.softmax_scale;
+          if (check_mask && !mask.visible(i, j)) score = -INFINITY;
+        }
         s[r][c] = score;
       }
       // Online softmax: rescale what was accumulated under the old max.
@@ -107,7 +122,13 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) smem_p[(t.ty + 16 * r) * (kTileRows + 4) + t.tx + 16 * c] = s[r][c];
+      for (int c = 0; c < kCols; ++c) {
+        float prob = s[r][c];
+        if constexpr (kGeneral) {  // dropout: only P V sees it
+          prob *= dropout.factor(keep, r * kCols + c);
+        }
+        smem_p[(t.ty + 16 * r) * (kTileRows + 4) + t.tx + 16 * c] = prob;
+      }
     __syncthreads();
     tile_ab_accumulate<kHeadDim, kTileRows>(smem_p, smem_kv, t, acc);
   }

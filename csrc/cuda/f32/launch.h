@@ -1,5 +1,6 @@
 // Host launchers of the float32 kernels for one head dim; instantiated once per generated .cu. p.allow_tf32
-// picks the TF32 tensor-core kernels (the backward's up to head dim 128; above, it is the exact one).
+// picks the TF32 tensor-core kernels (the backward's up to head dim 128; above, it is the exact one). Softcap,
+// ALiBi, bias, boolean mask and dropout take the kernels' general variant (score_element.h).
 #pragma once
 
 #include <algorithm>
@@ -9,9 +10,12 @@
 #include "../common/block_range.h"
 #include "../sm80/backward_row_kernels.h"
 #include "../sm80/launch_common.h"
+#include "../common/dbias_plan.h"
 #include "backward_kernels.h"
+#include "dbias_kernel.h"
 #include "forward_kernel.h"
 #include "launchers.h"
+#include "score_element.h"
 #include "tf32_backward_kernels.h"
 #include "tf32_forward_kernel.h"
 
@@ -20,13 +24,6 @@ namespace jax_flash::cuda::f32 {
 // float4 tile loads need head_dim % 4 == 0 and 16-byte aligned tensors.
 inline bool rows_are_16b_aligned(const AttentionParams& p) {
   return p.head_dim % 4 == 0 && sm80::aligned16(p.q) && sm80::aligned16(p.k) && sm80::aligned16(p.v);
-}
-
-// What the float32 kernels do not do yet (dispatch.cu may stop refusing these for the 16-bit kernels first).
-inline std::string unsupported(const AttentionParams& p) {
-  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f)
-    return "the float32 CUDA kernels do not support bias, mask or dropout yet";
-  return {};
 }
 
 // A readable error where a head dim's tiles need more shared memory than this GPU gives a block (head dims 192
@@ -43,11 +40,10 @@ inline std::string check_smem(int bytes, int head_dim) {
 
 template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (std::string err = unsupported(p); !err.empty()) return err;
   unsigned grid = 0;
   if (p.allow_tf32) {
     using G = Tf32ForwardGeometry<kHeadDim>;
-    auto kernel = transforms_scores(p) ? tf32_forward_kernel<kHeadDim, true> : tf32_forward_kernel<kHeadDim, false>;
+    auto kernel = needs_general_variant(p) ? tf32_forward_kernel<kHeadDim, true> : tf32_forward_kernel<kHeadDim, false>;
     if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
     if (std::string err = sm80::allow_dynamic_smem(kernel, G::kBytes); !err.empty()) return err;
     if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, G::kBlockM), p.heads_q, p.batch, &grid); !err.empty())
@@ -57,7 +53,7 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
     return sm80::last_launch_error("float32 (TF32) forward kernel launch");
   }
   constexpr int kSmemBytes = ForwardSmem<kHeadDim>::kBytes;
-  auto kernel = transforms_scores(p) ? forward_kernel<kHeadDim, true> : forward_kernel<kHeadDim, false>;
+  auto kernel = needs_general_variant(p) ? forward_kernel<kHeadDim, true> : forward_kernel<kHeadDim, false>;
   if (std::string err = check_smem(kSmemBytes, kHeadDim); !err.empty()) return err;
   if (std::string err = sm80::allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, kTileRows), p.heads_q, p.batch, &grid); !err.empty())
@@ -68,11 +64,11 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <int kHeadDim>
-std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool transforms,
-                                cudaStream_t stream) {
+std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general,
+                                DbiasMode dbias_mode, cudaStream_t stream) {
   using G = Tf32BackwardGeometry<kHeadDim>;
   if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
-  auto dkdv = transforms ? tf32_dkdv_kernel<kHeadDim, true> : tf32_dkdv_kernel<kHeadDim, false>;
+  auto dkdv = general ? tf32_dkdv_kernel<kHeadDim, true> : tf32_dkdv_kernel<kHeadDim, false>;
   if (std::string err = sm80::allow_dynamic_smem(dkdv, G::kBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, G::kBlock), p.heads_kv, p.batch, &grid); !err.empty())
@@ -81,18 +77,62 @@ std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorize
     dkdv<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
     if (std::string err = sm80::last_launch_error("float32 (TF32) dK/dV kernel launch"); !err.empty()) return err;
   }
-  auto dq = transforms ? tf32_dq_kernel<kHeadDim, true> : tf32_dq_kernel<kHeadDim, false>;
+  auto dq = general ? tf32_dq_kernel<kHeadDim, true> : tf32_dq_kernel<kHeadDim, false>;
   if (std::string err = sm80::allow_dynamic_smem(dq, G::kBytes); !err.empty()) return err;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, G::kBlock), p.heads_q, p.batch, &grid); !err.empty())
     return err;
   if (grid == 0) return {};
-  dq<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
+  dq<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized, dbias_mode);
   return sm80::last_launch_error("float32 (TF32) dQ kernel launch");
+}
+
+// Exact float32 dbias of a broadcast bias, deterministic (dbias_kernel.h), in both precision modes.
+template <int kHeadDim>
+std::string launch_dbias(const AttentionBackwardParams& p, bool vectorized, DbiasBroadcast broadcast,
+                         cudaStream_t stream) {
+  constexpr int kBytes = DbiasSmem<kHeadDim>::kBytes;
+  if (std::string err = sm80::allow_dynamic_smem(dbias_kernel<kHeadDim>, kBytes); !err.empty()) return err;
+  const DbiasGrid grid = make_dbias_grid(p, broadcast, kTileRows, kTileRows);
+  unsigned blocks = 0;
+  if (std::string err = sm80::grid_size(int64_t(grid.m_tiles) * grid.n_tiles, grid.slice_heads,
+                                        p.outer_batch * grid.slice_batches, &blocks);
+      !err.empty())
+    return err;
+  if (blocks == 0) return {};
+  dbias_kernel<kHeadDim><<<blocks, kThreads, kBytes, stream>>>(p, vectorized, grid);
+  return sm80::last_launch_error("float32 dbias kernel launch");
+}
+
+template <int kHeadDim>
+std::string launch_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general, DbiasMode dbias_mode,
+                           cudaStream_t stream) {
+  if constexpr (kHeadDim <= 128) {
+    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, stream);
+  }
+
+  constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
+  auto dkdv = general ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;
+  if (std::string err = sm80::allow_dynamic_smem(dkdv, kDkdvBytes); !err.empty()) return err;
+  unsigned grid = 0;
+  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, kTileRows), p.heads_kv, p.batch, &grid); !err.empty())
+    return err;
+  if (grid > 0) {
+    dkdv<<<grid, kThreads, kDkdvBytes, stream>>>(p, vectorized);
+    if (std::string err = sm80::last_launch_error("float32 dK/dV kernel launch"); !err.empty()) return err;
+  }
+
+  constexpr int kDqBytes = DqSmem<kHeadDim>::kBytes;
+  auto dq = general ? dq_kernel<kHeadDim, true> : dq_kernel<kHeadDim, false>;
+  if (std::string err = sm80::allow_dynamic_smem(dq, kDqBytes); !err.empty()) return err;
+  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, kTileRows), p.heads_q, p.batch, &grid); !err.empty())
+    return err;
+  if (grid == 0) return {};
+  dq<<<grid, kThreads, kDqBytes, stream>>>(p, vectorized, dbias_mode);
+  return sm80::last_launch_error("float32 dQ kernel launch");
 }
 
 template <int kHeadDim>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
-  if (std::string err = unsupported(p); !err.empty()) return err;
   if (std::string err = check_smem(std::max(DkdvGeometry<kHeadDim>::kBytes, DqSmem<kHeadDim>::kBytes), kHeadDim);
       !err.empty())
     return err;
@@ -104,30 +144,13 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     sm80::softmax_d_kernel<float><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("float32 softmax_d kernel launch"); !err.empty()) return err;
   }
-  const bool transforms = transforms_scores(p);
-  if constexpr (kHeadDim <= 128) {
-    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, transforms, stream);
-  }
-
-  constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
-  auto dkdv = transforms ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;
-  if (std::string err = sm80::allow_dynamic_smem(dkdv, kDkdvBytes); !err.empty()) return err;
-  unsigned grid = 0;
-  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, kTileRows), p.heads_kv, p.batch, &grid); !err.empty())
+  const bool general = needs_general_variant(p);
+  const DbiasPlan dbias = plan_dbias(p);
+  if (std::string err = launch_dkdv_dq<kHeadDim>(p, vectorized, general, dbias.dq_mode, stream); !err.empty())
     return err;
-  if (grid > 0) {
-    dkdv<<<grid, kThreads, kDkdvBytes, stream>>>(p, vectorized);
-    if (std::string err = sm80::last_launch_error("float32 dK/dV kernel launch"); !err.empty()) return err;
-  }
-
-  constexpr int kDqBytes = DqSmem<kHeadDim>::kBytes;
-  auto dq = transforms ? dq_kernel<kHeadDim, true> : dq_kernel<kHeadDim, false>;
-  if (std::string err = sm80::allow_dynamic_smem(dq, kDqBytes); !err.empty()) return err;
-  if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, kTileRows), p.heads_q, p.batch, &grid); !err.empty())
-    return err;
-  if (grid == 0) return {};
-  dq<<<grid, kThreads, kDqBytes, stream>>>(p, vectorized);
-  return sm80::last_launch_error("float32 dQ kernel launch");
+  if (dbias.separate_kernel && p.seqlen_q > 0 && p.seqlen_k > 0)
+    return launch_dbias<kHeadDim>(p, vectorized, dbias.broadcast, stream);
+  return {};
 }
 
 }  // namespace jax_flash::cuda::f32

@@ -147,8 +147,4 @@ __device__ inline float group_sum(float x) {
   return x;
 }
 
-// True when the score pipeline does more than scale (softcap, ALiBi): then each element goes through
-// transform_score.
-inline bool transforms_scores(const AttentionParams& p) { return p.softcap > 0.0f || p.alibi_slopes != nullptr; }
-
 }  // namespace jax_flash::cuda::f32

@@ -3,7 +3,9 @@
 // accumulation:
 //   dK/dV: one CTA per 64 keys (4 warps x 16) and KV head, over the GQA group's heads and visible 64-query tiles:
 //          Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then dV += Pᵀ dO and dK += dSᵀ Q straight from the accumulators.
-//   dQ:    one CTA per 64 queries and head, over the visible key tiles: S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K.
+//   dQ:    one CTA per 64 queries and head, over the visible key tiles: S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; the
+//          general variant also hands each dS to dbias (stores or atomics, common/dbias_plan.h).
+// Dropout (general variant): dV = dropout(P)ᵀ dO, dS = P (dropout(dP) - D) (score_element.h).
 #pragma once
 
 #include <cmath>
@@ -13,6 +15,8 @@
 #include "../common/block_range.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_kernels.h"
+#include "../common/dbias_plan.h"
+#include "score_element.h"
 #include "tf32_mma.h"
 
 namespace jax_flash::cuda::f32 {
@@ -28,7 +32,7 @@ struct Tf32BackwardGeometry {
   static constexpr int kBytes = (4 * kTileElems + 2 * kBlock) * int(sizeof(float));
 };
 
-template <int kHeadDim, bool kTransforms>
+template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
     tf32_dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
   using G = Tf32BackwardGeometry<kHeadDim>;
@@ -67,6 +71,8 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
   zero(dv);
   for (int64_t h = cta.head * group; h < (cta.head + 1) * group; ++h) {
     const SliceMask mask = make_slice_mask(p, cta.batch, h);
+    SliceDropout dropout;
+    if constexpr (kGeneral) dropout = SliceDropout::make(p, cta.batch, h);
     const TileSpan query_tiles = query_tiles_for_keys(mask, n0, kBlock, kBlock);
     const float* stats_lse = p.lse + sm80::row_stat_offset(p, cta.batch, h, 0);
     const float* stats_d = p.softmax_d + sm80::row_stat_offset(p, cta.batch, h, 0);
@@ -83,26 +89,41 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
       cp_async_commit();
       for (int r = threadIdx.x; r < kBlock; r += G::kThreads) {
         smem_lse[r] = r < valid_rows ? stats_lse[m0 + r] : INFINITY;  // masked anyway; INFINITY keeps exp at 0
+        if constexpr (kGeneral) smem_lse[r] = backward_lse(smem_lse[r]);
         smem_d[r] = r < valid_rows ? stats_d[m0 + r] : 0.0f;
       }
       cp_async_wait<0>();
       __syncthreads();
 
       // Rows are keys (warp_row + g, + 8), columns queries (8 t + 2 q + e % 2).
+      [[maybe_unused]] uint32_t keep = 0;
+      if constexpr (kGeneral) {
+        keep = dropout.keep_bits<kRowTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+          *i = m0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+          *j = n0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        });
+      }
       float st[kRowTiles][4], dpt[kRowTiles][4];
       zero(st);
       zero(dpt);
       warp_abt<kHeadDim, kRowTiles, G::kStride, G::kStride>(smem_k + warp_row * G::kStride, smem_q, lane, st);
       warp_abt<kHeadDim, kRowTiles, G::kStride, G::kStride>(smem_v + warp_row * G::kStride, smem_do, lane, dpt);
-      const bool check_mask = !tile_fully_visible(mask, m0, kBlock, n0, kBlock);
+      const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kBlock, n0, kBlock);
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = warp_row + lane.g + 8 * (e / 2);
           const int row = 8 * t + 2 * lane.q + e % 2;
-          probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
-                                            smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
+          if constexpr (kGeneral) {
+            const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
+                                               smem_lse[row], smem_d[row], dropout.factor(keep, 4 * t + e));
+            st[t][e] = g.prob_for_dv;
+            dpt[t][e] = g.dscore;
+          } else {
+            common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
+                                        smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
+          }
         }
       warp_pb<kRowTiles, kDimTiles, G::kStride>(st, smem_do, lane, dv);
       warp_pb<kRowTiles, kDimTiles, G::kStride>(dpt, smem_q, lane, dk);
@@ -131,9 +152,9 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
   }
 }
 
-template <int kHeadDim, bool kTransforms>
+template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
-    tf32_dq_kernel(const AttentionBackwardParams p, bool vectorized) {
+    tf32_dq_kernel(const AttentionBackwardParams p, bool vectorized, DbiasMode dbias_mode) {
   using G = Tf32BackwardGeometry<kHeadDim>;
   constexpr int kBlock = G::kBlock;
   constexpr int kDimTiles = kHeadDim / 8;
@@ -149,6 +170,12 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
   const int m_block = num_m_blocks - 1 - cta.block;
   const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
   const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  SliceDropout dropout;
+  float* dbias_slice = nullptr;
+  if constexpr (kGeneral) {
+    dropout = SliceDropout::make(p, cta.batch, cta.head);
+    if (dbias_mode != DbiasMode::kNone) dbias_slice = dbias_slice_of(p, cta.batch, cta.head);
+  }
   const LaneCoord lane = lane_coord();
   const int warp_row = 16 * (int(threadIdx.x) / 32);
   const sm80::BshdShape q_shape = sm80::query_shape(p);
@@ -169,6 +196,7 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
   for (int h = 0; h < 2; ++h) {
     const int row = warp_row + lane.g + 8 * h;
     lse[h] = row < valid_rows ? p.lse[stats + row] : INFINITY;
+    if constexpr (kGeneral) lse[h] = backward_lse(lse[h]);
     softmax_d[h] = row < valid_rows ? p.softmax_d[stats + row] : 0.0f;
   }
   const float* k_head = static_cast<const float*>(p.k) + kv_shape.offset(cta.batch, 0, head_kv);
@@ -190,21 +218,35 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
     cp_async_wait<0>();
     __syncthreads();
     // Rows are queries (warp_row + g, + 8), columns keys (8 t + 2 q + e % 2).
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kKeyTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+      });
+    }
     float s[kKeyTiles][4], dp[kKeyTiles][4];
     zero(s);
     zero(dp);
     warp_abt<kHeadDim, kKeyTiles, G::kStride, G::kStride>(smem_q + warp_row * G::kStride, smem_k, lane, s);
     warp_abt<kHeadDim, kKeyTiles, G::kStride, G::kStride>(smem_do + warp_row * G::kStride, smem_v, lane, dp);
-    const bool check_mask = !tile_fully_visible(mask, m0, kBlock, n0, kBlock);
+    const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kBlock, n0, kBlock);
 #pragma unroll
     for (int t = 0; t < kKeyTiles; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = warp_row + lane.g + 8 * (e / 2);
         const int key = 8 * t + 2 * lane.q + e % 2;
-        float prob;
-        probability_and_grad<kTransforms>(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e], lse[e / 2],
-                                          softmax_d[e / 2], &prob, &dp[t][e]);
+        if constexpr (kGeneral) {
+          const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e],
+                                             lse[e / 2], softmax_d[e / 2], dropout.factor(keep, 4 * t + e));
+          dp[t][e] = g.dscore;
+          add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
+        } else {
+          float prob;
+          common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e], lse[e / 2],
+                                      softmax_d[e / 2], &prob, &dp[t][e]);
+        }
       }
     warp_pb<kKeyTiles, kDimTiles, G::kStride>(dp, smem_k, lane, dq);
   }

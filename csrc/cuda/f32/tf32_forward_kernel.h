@@ -1,7 +1,8 @@
 // TF32 tensor-core forward (float32 in and out, float32 accumulation): FlashAttention-2's split, 4 warps per CTA
-// each owning 16 of its 64 query rows, mma.m16n8k8 TF32 for S = Q Kᵀ and O += P V. Q, K and V stay float32 in
-// shared memory (cp.async) and are rounded to TF32 as their fragments are read; the softmax runs in float32 on
-// the accumulators. V of a tile loads while S is computed, K of the next tile while P V is.
+// each owning 16 of its 64 query rows, mma.m16n8k8 TF32 for S = Q Kᵀ and O += P V (P dropped out in the general
+// variant; the lse is of the undropped probabilities). Q, K and V stay float32 in shared memory (cp.async) and
+// are rounded to TF32 as their fragments are read; the softmax runs in float32 on the accumulators. V of a tile
+// loads while S is computed, K of the next tile while P V is.
 #pragma once
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include "../../common/score_pipeline.h"
 #include "../common/block_range.h"
 #include "../sm80/tensor_offsets.h"
+#include "score_element.h"
 #include "tf32_mma.h"
 
 namespace jax_flash::cuda::f32 {
@@ -30,7 +32,7 @@ struct Tf32ForwardGeometry {
   static constexpr int kBytes = (kQElems + kKElems + kVElems) * int(sizeof(float));
 };
 
-template <int kHeadDim, bool kTransforms>
+template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     tf32_forward_kernel(const AttentionParams p, bool vectorized) {
   using G = Tf32ForwardGeometry<kHeadDim>;
@@ -48,6 +50,8 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
   const int m_block = num_m_blocks - 1 - cta.block;  // longest causal rows first
   const int64_t head_kv = cta.head / (p.heads_q / p.heads_kv);
   const SliceMask mask = make_slice_mask(p, cta.batch, cta.head);
+  SliceDropout dropout;
+  if constexpr (kGeneral) dropout = SliceDropout::make(p, cta.batch, cta.head);
   const LaneCoord lane = lane_coord();
   const int warp_row = 16 * (int(threadIdx.x) / 32);
 
@@ -89,6 +93,13 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
                                                                   keys_of(n_block), head_dim, vectorized);
     cp_async_commit();
 
+    [[maybe_unused]] uint32_t keep = 0;
+    if constexpr (kGeneral) {
+      keep = dropout.keep_bits<kNTiles * 4>([&](int e, int64_t* i, int64_t* j) {
+        *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
+        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+      });
+    }
     float s[kNTiles][4];
     zero(s);
     warp_abt<kHeadDim, kNTiles, G::kStrideQK, G::kStrideQK>(smem_q + warp_row * G::kStrideQK, smem_k, lane, s);
@@ -100,7 +111,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     cp_async_commit();  // possibly empty, so that "all but the newest group" below is always V
 
     // Score pipeline and online softmax; element e of tile t is row (e / 2 ? g + 8 : g), key 8 t + 2 q + e % 2.
-    const bool check_mask = !tile_fully_visible(mask, m0, kBlockM, n0, kBlockN);
+    const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kBlockM, n0, kBlockN);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int t = 0; t < kNTiles; ++t)
@@ -108,10 +119,14 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int64_t i = m0 + warp_row + lane.g + 8 * (e / 2);
         const int64_t j = n0 + 8 * t + 2 * lane.q + e % 2;
-        float score = kTransforms ? transform_score(s[t][e], p.softmax_scale, p.softcap, mask.alibi_slope, i, j,
-                                                    mask.diagonal_shift, nullptr)
-                                  : s[t][e] * p.softmax_scale;
-        if (check_mask && !mask.visible(i, j)) score = -INFINITY;
+        float score;
+        if constexpr (kGeneral) {
+          float grad;
+          score = general_score(p, mask, check_mask, i, j, s[t][e], &grad);
+        } else {
+          score = s[t][e] * p.softmax_scale;
+          if (check_mask && !mask.visible(i, j)) score = -INFINITY;
+        }
         s[t][e] = score;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], score);
       }
@@ -138,6 +153,9 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         s[t][e] = expf(s[t][e] - base[e / 2]);
         row_sum[e / 2] += s[t][e];
+        if constexpr (kGeneral) {  // dropout after the row sum: only P V sees it
+          s[t][e] *= dropout.factor(keep, 4 * t + e);
+        }
       }
 
     cp_async_wait<1>();  // V

@@ -64,14 +64,7 @@ std::string launch_dbias(const AttentionBackwardParams& p, bool vectorized, Dbia
   constexpr int kSmemBytes = kTileBytes > kSumBytes ? kTileBytes : kSumBytes;
   auto kernel = dbias_kernel<Traits>;
   if (std::string err = allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
-  DbiasGrid grid;
-  grid.broadcast = broadcast;
-  grid.slice_batches = broadcast.batch ? 1 : p.inner_batch;
-  grid.slice_heads = broadcast.head ? 1 : p.heads_q;
-  grid.m_total = static_cast<int>(ceil_div(p.seqlen_q, Traits::kBlockM));
-  grid.n_total = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
-  grid.m_tiles = broadcast.query ? 1 : grid.m_total;
-  grid.n_tiles = broadcast.key ? 1 : grid.n_total;
+  const DbiasGrid grid = make_dbias_grid(p, broadcast, Traits::kBlockM, Traits::kBlockN);
   unsigned blocks = 0;
   if (std::string err = grid_size(int64_t(grid.m_tiles) * grid.n_tiles, grid.slice_heads,
                                   p.outer_batch * grid.slice_batches, &blocks);
@@ -96,14 +89,10 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
   // dbias (zero-filled by the dispatcher): stores, atomics or its own deterministic kernel (dbias.h).
-  const DbiasBroadcast broadcast = dbias_broadcast(p);
-  const bool separate_dbias = p.dbias != nullptr && broadcast.any() && p.deterministic;
-  const DbiasMode dbias_mode = p.dbias == nullptr || separate_dbias ? DbiasMode::kNone
-                               : broadcast.any()                    ? DbiasMode::kAtomicAdd
-                                                                    : DbiasMode::kStore;
-  if (std::string err = launch_dq<kHeadDim, Element>(p, vectorized, dbias_mode, stream); !err.empty()) return err;
-  if (separate_dbias && p.seqlen_q > 0 && p.seqlen_k > 0) {
-    return launch_dbias<kHeadDim, Element>(p, vectorized, broadcast, stream);
+  const DbiasPlan dbias = plan_dbias(p);
+  if (std::string err = launch_dq<kHeadDim, Element>(p, vectorized, dbias.dq_mode, stream); !err.empty()) return err;
+  if (dbias.separate_kernel && p.seqlen_q > 0 && p.seqlen_k > 0) {
+    return launch_dbias<kHeadDim, Element>(p, vectorized, dbias.broadcast, stream);
   }
   return {};
 }

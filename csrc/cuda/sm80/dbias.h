@@ -19,6 +19,7 @@
 #include "../../common/attention_params.h"
 #include "../../common/score_pipeline.h"
 #include "../common/block_range.h"
+#include "../common/dbias_plan.h"
 #include "fragments.h"
 #include "gmem_tile.h"
 #include "kernel_traits.h"
@@ -27,40 +28,6 @@
 #include "tensor_offsets.h"
 
 namespace jax_flash::cuda::sm80 {
-
-enum class DbiasMode : int {
-  kNone = 0,       // the dQ pass writes no dbias (none wanted, or dbias_kernel forms it)
-  kStore = 1,      // every dbias element has at most one score element: plain stores
-  kAtomicAdd = 2,  // shared elements, order not fixed
-};
-
-// The corner of dbias that (batch, head) adds into; dbias has the bias's strides.
-__host__ __device__ inline float* dbias_slice_of(const AttentionBackwardParams& p, int64_t batch, int64_t head) {
-  const BroadcastStrides& s = p.bias_strides;
-  return p.dbias + (batch / p.inner_batch) * s.outer + (batch % p.inner_batch) * s.batch + head * s.head;
-}
-
-// Which axes of [inner batch, head, query, key] the bias broadcasts along (stride 0, extent > 1). The vmap
-// ("outer") axes are never broadcast: a bias carries them like q does.
-struct DbiasBroadcast {
-  bool batch, head, query, key;
-  __host__ __device__ bool any() const { return batch || head || query || key; }
-};
-
-inline DbiasBroadcast dbias_broadcast(const AttentionBackwardParams& p) {
-  const BroadcastStrides& s = p.bias_strides;
-  return {p.inner_batch > 1 && s.batch == 0, p.heads_q > 1 && s.head == 0, p.seqlen_q > 1 && s.query == 0,
-          p.seqlen_k > 1 && s.key == 0};
-}
-
-// The deterministic dbias kernel's grid: CTA = (dbias slice, query tile, key tile), each looping over members.
-struct DbiasGrid {
-  DbiasBroadcast broadcast;
-  int64_t slice_batches;  // inner batch rows that own a dbias slice (1 when broadcast)
-  int64_t slice_heads;
-  int m_tiles, n_tiles;    // owned tiles per slice (1 along a broadcast axis)
-  int m_total, n_total;    // tiles of the score matrix
-};
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -80,14 +47,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   T* smem_k = smem_do + Traits::kQElems;
   T* smem_v = smem_k + Traits::kKVElems;
 
-  // blockIdx.x = ((slice * m_tiles) + m_tile) * n_tiles + n_tile, slice = (outer, batch, head) folded.
-  const int64_t block = blockIdx.x;
-  const int n_tile = static_cast<int>(block % grid.n_tiles);
-  const int m_tile = static_cast<int>((block / grid.n_tiles) % grid.m_tiles);
-  const int64_t slice = block / (int64_t(grid.n_tiles) * grid.m_tiles);
-  const int64_t slice_head = slice % grid.slice_heads;
-  const int64_t slice_batch = (slice / grid.slice_heads) % grid.slice_batches;
-  const int64_t outer = slice / (grid.slice_heads * grid.slice_batches);
+  const DbiasBlock owned = decode_dbias_block(grid, blockIdx.x);
+  const int n_tile = owned.n_tile;
+  const int m_tile = owned.m_tile;
+  const int64_t slice_head = owned.slice_head;
+  const int64_t slice_batch = owned.slice_batch;
+  const int64_t outer = owned.outer;
   const DbiasBroadcast bc = grid.broadcast;
 
   const int tid = threadIdx.x;

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 #define __global__
 #define __device__
@@ -40,6 +41,7 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
   emu_warp_sync();
   return r;
 }
+inline float atomicAdd(float* address, float value) { return std::atomic_ref<float>(*address).fetch_add(value); }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -10,6 +10,7 @@ namespace jax_flash::cuda::f32 { alignas(16) float smem[64000]; }
 #include "cuda/f32/backward_kernels.h"
 #include "cuda/f32/tf32_forward_kernel.h"
 #include "cuda/f32/tf32_backward_kernels.h"
+#include "cuda/f32/dbias_kernel.h"
 #include "cuda/sm80/backward_row_kernels.h"
 
 using namespace jax_flash;
@@ -29,10 +30,29 @@ struct Buf {  // float buffer with guard zones
   }
 };
 
+// Dense operands: `bias` / `mask` name the axes of [batch, head, query, key] they have ("bhqk": full shape;
+// "qk": [1, 1, Sq, Sk]; "" none); the others broadcast with stride 0.
+struct Dense {
+  std::string bias, mask; float dropout = 0; bool deterministic = false;
+};
+
 struct Case {
   std::string name; int B, Sq, Sk, Hq, Hkv, d; bool causal = false; int wl = -1, wr = -1; float softcap = 0;
   bool alibi = false; std::vector<int> q_lens, kv_lens; bool segments = false; bool unaligned = false;
+  Dense dense = {};
 };
+
+// Strides of an operand with the axes in `axes` (others broadcast); returns its element count.
+size_t dense_strides(const Case& c, const std::string& axes, BroadcastStrides* s) {
+  auto has = [&](char a) { return axes.find(a) != std::string::npos; };
+  int64_t n = 1;
+  s->key = has('k') ? n : 0; n *= has('k') ? c.Sk : 1;
+  s->query = has('q') ? n : 0; n *= has('q') ? c.Sq : 1;
+  s->head = has('h') ? n : 0; n *= has('h') ? c.Hq : 1;
+  s->batch = has('b') ? n : 0; n *= has('b') ? c.B : 1;
+  s->outer = n;
+  return size_t(n);
+}
 
 template <int D>
 int run_case(const Case& c, bool tf32) {
@@ -51,6 +71,24 @@ int run_case(const Case& c, bool tf32) {
     for (int i = 0; i < c.Sq; ++i) qseg[b * c.Sq + i] = (3 * i) / c.Sq;
     for (int j = 0; j < c.Sk; ++j) kvseg[b * c.Sk + j] = (3 * j) / c.Sk;
   }
+  const Dense& dn = c.dense;
+  BroadcastStrides bias_s, mask_s;
+  const size_t n_bias = dn.bias.empty() ? 0 : dense_strides(c, dn.bias, &bias_s);
+  const size_t n_mask = dn.mask.empty() ? 0 : dense_strides(c, dn.mask, &mask_s);
+  Buf bias(n_bias), dbias(n_bias);
+  for (size_t i = 0; i < n_bias; ++i) bias[i] = 0.7f * nd(rng);
+  std::vector<uint8_t> maskv(n_mask);
+  for (size_t i = 0; i < n_mask; ++i) maskv[i] = std::uniform_real_distribution<float>()(rng) < 0.75f;
+  if (dn.mask.find('q') != std::string::npos && dn.mask.find('k') != std::string::npos)  // a few all-false rows
+    for (int i = 3; i < c.Sq; i += 7)
+      for (size_t e = 0; e < n_mask; ++e)
+        if ((e / mask_s.query) % c.Sq == size_t(i)) maskv[e] = 0;
+  // A nonzero lse cotangent with dense operands: otherwise the dbias of a key-broadcast bias is exactly 0
+  // (softmax is shift-invariant) and only rounding noise would be compared.
+  if (!dn.bias.empty() || !dn.mask.empty() || dn.dropout > 0)
+    for (size_t i = 0; i < dlse.n; ++i) dlse[i] = 0.5f * nd(rng);
+  std::vector<uint32_t> seeds(2 * c.B);
+  for (auto& s : seeds) s = rng();
   AttentionBackwardParams p;
   p.batch = c.B; p.seqlen_q = c.Sq; p.seqlen_k = c.Sk; p.heads_q = c.Hq; p.heads_kv = c.Hkv; p.head_dim = c.d;
   p.element_type = ElementType::kFloat32;
@@ -63,9 +101,16 @@ int run_case(const Case& c, bool tf32) {
   p.softmax_scale = 1.0f / std::sqrt(float(c.d)); p.softcap = c.softcap; p.causal = c.causal;
   p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32;
   p.d_o = d_o.p(); p.d_lse = dlse.p(); p.dq = dq.p(); p.dk = dk.p(); p.dv = dv.p(); p.softmax_d = sd.p();
-  const bool transforms = c.softcap > 0 || c.alibi;
-  const bool vectorized = c.d % 4 == 0 && !c.unaligned;
+  p.inner_batch = c.B; p.outer_batch = 1;
+  if (n_bias) { p.bias = bias.p(); p.bias_strides = bias_s; p.dbias = dbias.p(); }
+  if (n_mask) { p.mask = reinterpret_cast<const bool*>(maskv.data()); p.mask_strides = mask_s; }
+  p.dropout_rate = dn.dropout; p.dropout_seeds = dn.dropout > 0 ? seeds.data() : nullptr;
+  p.deterministic = dn.deterministic;
   using namespace jax_flash::cuda;
+  const bool transforms = f32::needs_general_variant(p);
+  const DbiasPlan plan = plan_dbias(p);
+  for (size_t i = 0; i < n_bias; ++i) dbias[i] = 0.0f;  // the dispatcher zero-fills dbias
+  const bool vectorized = c.d % 4 == 0 && !c.unaligned;
 
   // Forward.
   if (tf32) {
@@ -90,7 +135,7 @@ int run_case(const Case& c, bool tf32) {
         if (transforms) f32::tf32_dkdv_kernel<D, true>(p, vectorized); else f32::tf32_dkdv_kernel<D, false>(p, vectorized);
       });
       emu_launch(ceil_div(c.Sq, 64) * c.Hq * c.B, G::kThreads, f32::smem, G::kBytes / 4, [&] {
-        if (transforms) f32::tf32_dq_kernel<D, true>(p, vectorized); else f32::tf32_dq_kernel<D, false>(p, vectorized);
+        if (transforms) f32::tf32_dq_kernel<D, true>(p, vectorized, plan.dq_mode); else f32::tf32_dq_kernel<D, false>(p, vectorized, plan.dq_mode);
       });
     }
   } else {
@@ -98,12 +143,20 @@ int run_case(const Case& c, bool tf32) {
       if (transforms) f32::dkdv_kernel<D, true>(p, vectorized); else f32::dkdv_kernel<D, false>(p, vectorized);
     });
     emu_launch(ceil_div(c.Sq, 64) * c.Hq * c.B, 256, f32::smem, f32::DqSmem<D>::kBytes / 4, [&] {
-      if (transforms) f32::dq_kernel<D, true>(p, vectorized); else f32::dq_kernel<D, false>(p, vectorized);
+      if (transforms) f32::dq_kernel<D, true>(p, vectorized, plan.dq_mode); else f32::dq_kernel<D, false>(p, vectorized, plan.dq_mode);
     });
   }
 
+  if (plan.separate_kernel) {
+    const DbiasGrid grid = make_dbias_grid(p, plan.broadcast, 64, 64);
+    emu_launch(unsigned(grid.blocks(p)), 256, f32::smem, f32::DbiasSmem<D>::kBytes / 4,
+               [&] { f32::dbias_kernel<D>(p, vectorized, grid); });
+  }
+
   // float64 reference.
-  std::vector<double> ro(nq, 0), rlse(lse.n), rdq(nq, 0), rdk(nk, 0), rdv(nk, 0);
+  std::vector<double> ro(nq, 0), rlse(lse.n), rdq(nq, 0), rdk(nk, 0), rdv(nk, 0), rdbias(n_bias, 0);
+  const uint32_t threshold = dropout_threshold(dn.dropout);
+  const double keep_scale = 1.0 / (1.0 - double(dn.dropout));
   const int group = c.Hq / c.Hkv;
   auto Q = [&](int b, int i, int h, int x) { return double(q[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x]); };
   auto DO = [&](int b, int i, int h, int x) { return double(d_o[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x]); };
@@ -121,6 +174,7 @@ int run_case(const Case& c, bool tf32) {
           double sc = dot * p.softmax_scale, g = p.softmax_scale;
           if (c.softcap > 0) { double t = std::tanh(sc / c.softcap); sc = c.softcap * t; g *= 1 - t * t; }
           if (c.alibi) { long dist = long(i) + long(m.diagonal_shift) - j; sc -= m.alibi_slope * double(std::labs(dist)); }
+          sc += m.bias_at(i, j);
           s[j] = sc; grad[j] = g; mx = std::max(mx, sc);
         }
         const size_t li = (size_t(b) * c.Hq + h) * c.Sq + i;
@@ -128,17 +182,25 @@ int run_case(const Case& c, bool tf32) {
         double sum = 0; for (int j = 0; j < c.Sk; ++j) if (s[j] > -INFINITY) { P[j] = std::exp(s[j] - mx); sum += P[j]; }
         rlse[li] = mx + std::log(sum);
         for (int j = 0; j < c.Sk; ++j) P[j] /= sum;
+        // Dropout factor of each probability: the same Philox keep bits as the kernels (common/philox.h).
+        std::vector<double> F(c.Sk, 1.0);
+        if (dn.dropout > 0)
+          for (int j = 0; j < c.Sk; ++j)
+            F[j] = dropout_keeps(seeds.data() + 2 * b, threshold, (int64_t(h) * c.Sq + i) * c.Sk + j) ? keep_scale : 0.0;
         std::vector<double> orow(c.d, 0);
-        for (int j = 0; j < c.Sk; ++j) if (P[j] > 0) for (int x = 0; x < c.d; ++x) orow[x] += P[j] * v[KI(b, j, hk, x)];
+        for (int j = 0; j < c.Sk; ++j) if (P[j] > 0) for (int x = 0; x < c.d; ++x) orow[x] += P[j] * F[j] * v[KI(b, j, hk, x)];
         double Dd = 0; for (int x = 0; x < c.d; ++x) { ro[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] = orow[x]; Dd += orow[x] * DO(b, i, h, x); }
+        Dd -= dlse[li];
         for (int j = 0; j < c.Sk; ++j) {
           if (P[j] == 0) continue;
           double dp = 0; for (int x = 0; x < c.d; ++x) dp += DO(b, i, h, x) * v[KI(b, j, hk, x)];
-          const double ds = P[j] * (dp - Dd) * grad[j];
+          const double dsb = P[j] * (F[j] * dp - Dd);  // d loss / d biased score
+          const double ds = dsb * grad[j];
+          if (n_bias) rdbias[(m.bias - bias.p()) + i * bias_s.query + j * bias_s.key] += dsb;
           for (int x = 0; x < c.d; ++x) {
             rdq[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] += ds * k[KI(b, j, hk, x)];
             rdk[KI(b, j, hk, x)] += ds * Q(b, i, h, x);
-            rdv[KI(b, j, hk, x)] += P[j] * DO(b, i, h, x);
+            rdv[KI(b, j, hk, x)] += P[j] * F[j] * DO(b, i, h, x);
           }
         }
       }
@@ -158,6 +220,18 @@ int run_case(const Case& c, bool tf32) {
   };
   std::printf("%s [%s, D=%d]\n", c.name.c_str(), tf32 ? "tf32" : "exact", D);
   int fails = rel(o, ro, "o") + rel(lse, rlse, "lse") + rel(dq, rdq, "dq") + rel(dk, rdk, "dk") + rel(dv, rdv, "dv");
+  if (n_bias) fails += rel(dbias, rdbias, "db");
+  // Rows that see no key (e.g. an all-false mask row): o exactly 0 (and lse -inf, checked above).
+  int empty_rows = 0, bad_rows = 0;
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < c.Hq; ++h)
+      for (int i = 0; i < c.Sq; ++i) {
+        if (rlse[(size_t(b) * c.Hq + h) * c.Sq + i] != -INFINITY) continue;
+        ++empty_rows;
+        for (int x = 0; x < c.d; ++x) if (o[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] != 0.0f) { ++bad_rows; break; }
+      }
+  if (empty_rows) std::printf("  rows that see no key: %d, with o != 0: %d\n", empty_rows, bad_rows);
+  fails += bad_rows != 0;
   return fails;
 }
 
@@ -175,6 +249,19 @@ int main() {
     {{"d=96 causal gqa 80x80", 1, 80, 80, 4, 2, 90, true}, 96},
     {{"d=192 window 70x70", 1, 70, 70, 2, 2, 192, false, 20, 20}, 192},
     {{"d=256 causal 66x100 segments", 1, 66, 100, 2, 1, 250, true, -1, -1, 0, false, {}, {}, true}, 256},
+    // Bias, boolean mask, dropout and dbias (general variant).
+    {{"full bias + full mask (empty rows) causal 70x90", 2, 70, 90, 2, 1, 64, true, -1, -1, 0, false, {}, {}, false,
+      false, {"bhqk", "bhqk"}}, 64},
+    {{"bias [1,H,Sq,Sk] atomic dbias, mask [1,1,Sq,Sk]", 2, 40, 70, 2, 2, 32, false, -1, -1, 0, false, {}, {}, false,
+      false, {"hqk", "qk"}}, 32},
+    {{"bias [B,1,1,Sk] deterministic dbias 130x70 gqa", 2, 130, 70, 2, 1, 32, false, -1, -1, 0, false, {}, {},
+      false, false, {"bk", "", 0, true}}, 32},
+    {{"bias [1,H,Sq,1] deterministic, softcap, dropout 0.25, kvlens", 2, 70, 66, 2, 1, 40, false, -1, -1, 2.0f,
+      false, {}, {60, 66}, false, false, {"hq", "", 0.25f, true}}, 64},
+    {{"dropout 0.3 alibi window mask [B,1,Sq,Sk] unaligned", 1, 67, 80, 2, 1, 36, false, 30, 20, 0, true, {}, {},
+      false, true, {"", "bqk", 0.3f}}, 64},
+    {{"d=128 dropout 0.2 + bias [B,H,1,Sk] atomic, seqlens", 2, 65, 70, 2, 2, 128, true, -1, -1, 0, false,
+      {65, 30}, {70, 40}, false, false, {"bhk", "", 0.2f}}, 128},
   };
   int fails = 0;
   for (auto& [c, D] : cases)
