@@ -139,48 +139,63 @@ std::string sm90_forward_refusal(const AttentionParams& p) {
   return {};
 }
 
-std::string use_sm90_forward(const AttentionParams& p, bool* use_sm90) {
-  const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL");
+// Whether a call runs the sm90 family: the environment variable `variable` (read at every call) forces "sm80" or
+// "sm90" (an error naming the reason where `kernel` cannot run the call) or asks for "auto"; unset means
+// `unset_means_auto`. refusal() says why sm90 cannot run the call, empty when it can.
+template <class Refusal>
+std::string choose_sm90(const char* variable, const char* kernel, bool unset_means_auto, Refusal refusal,
+                        bool* use_sm90) {
+  const char* env = std::getenv(variable);
   const std::string forced = env ? env : "";
-  if (forced == "sm80") {
-    *use_sm90 = false;
-    return {};
+  *use_sm90 = false;
+  if (forced == "sm80" || (forced.empty() && !unset_means_auto)) return {};
+  if (!forced.empty() && forced != "auto" && forced != "sm90") {
+    return std::string(variable) + " must be sm80, sm90 or auto, not '" + forced + "'";
   }
-  const std::string refusal = sm90_forward_refusal(p);
-  if (forced == "sm90") {
-    if (!refusal.empty()) return "JAX_FLASH_CUDA_KERNEL=sm90, but the sm90 kernel cannot run this call: " + refusal;
-    *use_sm90 = true;
-    return {};
+  const std::string why_not = refusal();
+  if (forced == "sm90" && !why_not.empty()) {
+    return std::string(variable) + "=sm90, but the " + kernel + " cannot run this call: " + why_not;
   }
-  if (!forced.empty() && forced != "auto") {
-    return "JAX_FLASH_CUDA_KERNEL must be sm80, sm90 or auto, not '" + forced + "'";
-  }
-  *use_sm90 = refusal.empty();
+  *use_sm90 = why_not.empty();
   return {};
 }
 
-std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
-  const bool bf16 = p.element_type == ElementType::kBFloat16;
-  std::string result = "internal error: no sm90 kernel for head dim " + std::to_string(p.head_dim);
-  auto try_dim = [&](auto dim) {
-    constexpr int kDim = decltype(dim)::value;
-    constexpr bool kBuilt = [] {
-      for (int d : kSm90HeadDims) {
-        if (d == kDim) return true;
-      }
-      return false;
-    }();
-    if constexpr (kBuilt) {
-      if (kDim == sm90_head_dim(p.head_dim)) {
-        result = bf16 ? sm90::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
-                      : sm90::launch_forward<kDim, cutlass::half_t>(p, stream);
-      }
+// Calls launch(int_constant<D>) for the D of {64, 128, 256} that is `dim` and that Built{}(D) admits.
+template <class Built, class Launch>
+std::string with_sm90_head_dim(int dim, Launch&& launch) {
+  std::string result = "internal error: no sm90 kernel for head dim " + std::to_string(dim);
+  auto try_dim = [&](auto candidate) {
+    constexpr int kDim = decltype(candidate)::value;
+    if constexpr (Built{}(kDim)) {
+      if (kDim == dim) result = launch(candidate);
     }
   };
   try_dim(std::integral_constant<int, 64>{});
   try_dim(std::integral_constant<int, 128>{});
   try_dim(std::integral_constant<int, 256>{});
   return result;
+}
+
+constexpr bool contains(const int* list, int size, int value) {
+  for (int i = 0; i < size; ++i) {
+    if (list[i] == value) return true;
+  }
+  return false;
+}
+
+struct Sm90ForwardBuilt {
+  constexpr bool operator()(int d) const {
+    return contains(kSm90HeadDims, sizeof(kSm90HeadDims) / sizeof(int), d);
+  }
+};
+
+std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
+  const bool bf16 = p.element_type == ElementType::kBFloat16;
+  return with_sm90_head_dim<Sm90ForwardBuilt>(sm90_head_dim(p.head_dim), [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    return bf16 ? sm90::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
+                : sm90::launch_forward<kDim, cutlass::half_t>(p, stream);
+  });
 }
 
 // ---- Backward kernel family: sm80 by default. The Hopper backward (sm90/backward_*.h) is experimental until
@@ -221,47 +236,19 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   return {};
 }
 
-std::string use_sm90_backward(const AttentionBackwardParams& p, bool* use_sm90) {
-  const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
-  const std::string forced = env ? env : "";
-  *use_sm90 = false;
-  if (forced.empty() || forced == "sm80") return {};
-  const std::string refusal = sm90_backward_refusal(p);
-  if (forced == "sm90") {
-    if (!refusal.empty()) {
-      return "JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, but the sm90 backward cannot run this call: " + refusal;
-    }
-    *use_sm90 = true;
-    return {};
+struct Sm90BackwardBuilt {
+  constexpr bool operator()(int d) const {
+    return contains(kSm90BackwardHeadDims, sizeof(kSm90BackwardHeadDims) / sizeof(int), d);
   }
-  if (forced != "auto") {
-    return "JAX_FLASH_CUDA_KERNEL_BACKWARD must be sm80, sm90 or auto, not '" + forced + "'";
-  }
-  *use_sm90 = refusal.empty();
-  return {};
-}
+};
 
 std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   const bool bf16 = p.element_type == ElementType::kBFloat16;
-  std::string result = "internal error: no sm90 backward kernel for head dim " + std::to_string(p.head_dim);
-  auto try_dim = [&](auto dim) {
+  return with_sm90_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    constexpr bool kBuilt = [] {
-      for (int d : kSm90BackwardHeadDims) {
-        if (d == kDim) return true;
-      }
-      return false;
-    }();
-    if constexpr (kBuilt) {
-      if (kDim == sm90_backward_head_dim(p.head_dim)) {
-        result = bf16 ? sm90::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
-                      : sm90::launch_backward<kDim, cutlass::half_t>(p, stream);
-      }
-    }
-  };
-  try_dim(std::integral_constant<int, 64>{});
-  try_dim(std::integral_constant<int, 128>{});
-  return result;
+    return bf16 ? sm90::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
+                : sm90::launch_backward<kDim, cutlass::half_t>(p, stream);
+  });
 }
 
 }  // namespace
@@ -275,7 +262,11 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
     });
   }
   bool use_sm90 = false;
-  if (std::string err = use_sm90_forward(p, &use_sm90); !err.empty()) return err;
+  if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL", "sm90 kernel", /*unset_means_auto=*/true,
+                                    [&] { return sm90_forward_refusal(p); }, &use_sm90);
+      !err.empty()) {
+    return err;
+  }
   if (use_sm90) return run_sm90_forward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
@@ -298,7 +289,11 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     });
   }
   bool use_sm90 = false;
-  if (std::string err = use_sm90_backward(p, &use_sm90); !err.empty()) return err;
+  if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90 backward", /*unset_means_auto=*/false,
+                                    [&] { return sm90_backward_refusal(p); }, &use_sm90);
+      !err.empty()) {
+    return err;
+  }
   if (use_sm90) return run_sm90_backward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
