@@ -27,7 +27,8 @@ inline bool rows_are_16b_aligned(const AttentionParams& p) {
 }
 
 // A readable error where a head dim's tiles need more shared memory than this GPU gives a block (head dims 192
-// and 256 need sm90's 227 KiB).
+// and 256 need sm90's 227 KiB), checked before a backward launches any of its kernels (a single kernel's launch
+// gets the same message from sm80::allow_dynamic_smem).
 inline std::string check_smem(int bytes, int head_dim) {
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -44,7 +45,6 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.allow_tf32) {
     using G = Tf32ForwardGeometry<kHeadDim>;
     auto kernel = needs_general_variant(p) ? tf32_forward_kernel<kHeadDim, true> : tf32_forward_kernel<kHeadDim, false>;
-    if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
     if (std::string err = sm80::allow_dynamic_smem(kernel, G::kBytes); !err.empty()) return err;
     if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, G::kBlockM), p.heads_q, p.batch, &grid); !err.empty())
       return err;
@@ -54,7 +54,6 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   }
   constexpr int kSmemBytes = ForwardSmem<kHeadDim>::kBytes;
   auto kernel = needs_general_variant(p) ? forward_kernel<kHeadDim, true> : forward_kernel<kHeadDim, false>;
-  if (std::string err = check_smem(kSmemBytes, kHeadDim); !err.empty()) return err;
   if (std::string err = sm80::allow_dynamic_smem(kernel, kSmemBytes); !err.empty()) return err;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, kTileRows), p.heads_q, p.batch, &grid); !err.empty())
     return err;

@@ -24,11 +24,15 @@ inline std::string last_launch_error(const char* what) {
 }
 
 // Opts a kernel into more than the default 48 KiB of dynamic shared memory (not a stream operation, so it is
-// allowed during CUDA graph capture). A GPU with less shared memory per block than the tile needs (e.g. sm_86/89
-// with large head dims) gets a message that says so rather than "invalid argument".
+// allowed during CUDA graph capture). Where that fails because the GPU gives a block less shared memory than the
+// tile needs (e.g. sm_86/89 with large head dims), the message says so rather than "invalid argument"; the limit
+// is only looked up then, off the launch path.
 template <class Kernel>
 std::string allow_dynamic_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return {};
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) return {};
+  cudaGetLastError();  // not left behind for a later launch check to report
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) == cudaSuccess &&
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
@@ -36,9 +40,7 @@ std::string allow_dynamic_smem(Kernel kernel, int bytes) {
     return "this kernel's tiles need " + std::to_string(bytes) + " bytes of shared memory per block; this GPU "
            "allows " + std::to_string(limit) + " (a smaller head dim runs)";
   }
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
-  return {};
+  return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
 }
 
 // The general variant reads bias/mask at 32-bit offsets from a thread's first element of a tile: rows at most
