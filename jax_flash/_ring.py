@@ -109,20 +109,17 @@ def _take(x: jax.Array, windows: dict[int, slice]) -> jax.Array:
     return x
 
 
-def _add_into(x: jax.Array, windows: dict[int, slice], value: jax.Array) -> jax.Array:
-    """``x`` with ``value`` added to its ``windows`` sub-block."""
-    if all(rows.start == 0 and rows.stop == x.shape[axis] for axis, rows in windows.items()):
-        return x + value
-    starts = [windows[axis].start if axis in windows else 0 for axis in range(x.ndim)]
-    return lax.dynamic_update_slice(x, _take(x, windows) + value, starts)
-
-
 def _put_into(x: jax.Array, windows: dict[int, slice], value: jax.Array) -> jax.Array:
     """``x`` with its ``windows`` sub-block replaced by ``value``."""
+    value = value.astype(x.dtype)
     if all(rows.start == 0 and rows.stop == x.shape[axis] for axis, rows in windows.items()):
-        return value.astype(x.dtype)
-    return lax.dynamic_update_slice(x, value.astype(x.dtype), [windows[axis].start if axis in windows else 0
-                                                             for axis in range(x.ndim)])
+        return value
+    return lax.dynamic_update_slice(x, value, [windows[axis].start if axis in windows else 0 for axis in range(x.ndim)])
+
+
+def _add_into(x: jax.Array, windows: dict[int, slice], value: jax.Array) -> jax.Array:
+    """``x`` with ``value`` added to its ``windows`` sub-block."""
+    return _put_into(x, windows, _take(x, windows) + value)
 
 
 def _call_dense(dense: DenseOperands, q_rows: slice, kv_rows: slice) -> DenseOperands:
