@@ -32,22 +32,29 @@
 namespace jax_flash::cuda {
 namespace {
 
-constexpr int kBuiltHeadDims[] = {JAX_FLASH_CUDA_HEAD_DIM_LIST};
-
-constexpr bool is_built(int head_dim) {
-  for (int d : kBuiltHeadDims) {
+template <size_t N>
+constexpr bool contains(const int (&head_dims)[N], int head_dim) {
+  for (int d : head_dims) {
     if (d == head_dim) return true;
   }
   return false;
 }
 
-int padded_head_dim(int64_t head_dim) {
+// The smallest of `head_dims` (0 entries ignored) that is >= head_dim, or 0: the kernel a head dim runs on.
+template <size_t N>
+int smallest_at_least(const int (&head_dims)[N], int64_t head_dim) {
   int best = 0;
-  for (int d : kBuiltHeadDims) {
-    if (d >= head_dim && (best == 0 || d < best)) best = d;
+  for (int d : head_dims) {
+    if (d > 0 && d >= head_dim && (best == 0 || d < best)) best = d;
   }
   return best;
 }
+
+constexpr int kBuiltHeadDims[] = {JAX_FLASH_CUDA_HEAD_DIM_LIST};
+
+constexpr bool is_built(int head_dim) { return contains(kBuiltHeadDims, head_dim); }
+
+int padded_head_dim(int64_t head_dim) { return smallest_at_least(kBuiltHeadDims, head_dim); }
 
 std::string check_supported(const AttentionParams& p) {
   if (p.element_type != ElementType::kFloat32 && p.element_type != ElementType::kBFloat16 &&
@@ -94,14 +101,7 @@ std::string with_head_dim(int head_dim, Launch&& launch) {
 
 constexpr int kSm90HeadDims[] = {0 JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST};  // leading 0: the list may be empty
 
-// Smallest built sm90 head dim >= head_dim, or 0.
-int sm90_head_dim(int64_t head_dim) {
-  int best = 0;
-  for (int d : kSm90HeadDims) {
-    if (d >= head_dim && d > 0 && (best == 0 || d < best)) best = d;
-  }
-  return best;
-}
+int sm90_head_dim(int64_t head_dim) { return smallest_at_least(kSm90HeadDims, head_dim); }
 
 // Compute capability major of the current device, cached per device id.
 int current_device_major() {
@@ -176,16 +176,9 @@ std::string with_sm90_head_dim(int dim, Launch&& launch) {
   return result;
 }
 
-constexpr bool contains(const int* list, int size, int value) {
-  for (int i = 0; i < size; ++i) {
-    if (list[i] == value) return true;
-  }
-  return false;
-}
-
 struct Sm90ForwardBuilt {
   constexpr bool operator()(int d) const {
-    return contains(kSm90HeadDims, sizeof(kSm90HeadDims) / sizeof(int), d);
+    return contains(kSm90HeadDims, d);
   }
 };
 
@@ -204,14 +197,7 @@ std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
 
 constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST};
 
-// Smallest built sm90 backward head dim >= head_dim, or 0.
-int sm90_backward_head_dim(int64_t head_dim) {
-  int best = 0;
-  for (int d : kSm90BackwardHeadDims) {
-    if (d >= head_dim && d > 0 && (best == 0 || d < best)) best = d;
-  }
-  return best;
-}
+int sm90_backward_head_dim(int64_t head_dim) { return smallest_at_least(kSm90BackwardHeadDims, head_dim); }
 
 // Empty when the sm90 backward can run this call, else why not.
 std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
@@ -238,7 +224,7 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
 
 struct Sm90BackwardBuilt {
   constexpr bool operator()(int d) const {
-    return contains(kSm90BackwardHeadDims, sizeof(kSm90BackwardHeadDims) / sizeof(int), d);
+    return contains(kSm90BackwardHeadDims, d);
   }
 };
 
