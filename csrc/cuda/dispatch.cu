@@ -52,7 +52,9 @@ int smallest_at_least(const int (&head_dims)[N], int64_t head_dim) {
 
 constexpr int kBuiltHeadDims[] = {JAX_FLASH_CUDA_HEAD_DIM_LIST};
 
-constexpr bool is_built(int head_dim) { return contains(kBuiltHeadDims, head_dim); }
+struct Sm80Built {  // also the float32 kernels' head dims
+  constexpr bool operator()(int d) const { return contains(kBuiltHeadDims, d); }
+};
 
 int padded_head_dim(int64_t head_dim) { return smallest_at_least(kBuiltHeadDims, head_dim); }
 
@@ -77,13 +79,14 @@ std::string check_supported(const AttentionParams& p) {
 // o and lse are empty.
 bool nothing_to_do(const AttentionParams& p) { return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0; }
 
-// Calls launch(int_constant<D>, element) for the built head dim D that `head_dim` runs on.
-template <class Launch>
+// Calls launch(int_constant<D>) for the head dim D that is `head_dim` and that Built{}(D) admits (only those
+// are instantiated).
+template <class Built, class Launch>
 std::string with_head_dim(int head_dim, Launch&& launch) {
   std::string result = "internal error: no kernel for head dim " + std::to_string(head_dim);
   auto try_dim = [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    if constexpr (is_built(kDim)) {
+    if constexpr (Built{}(kDim)) {
       if (kDim == head_dim) result = launch(dim);
     }
   };
@@ -160,31 +163,13 @@ std::string choose_sm90(const char* variable, const char* kernel, bool unset_mea
   return {};
 }
 
-// Calls launch(int_constant<D>) for the D of {64, 128, 256} that is `dim` and that Built{}(D) admits.
-template <class Built, class Launch>
-std::string with_sm90_head_dim(int dim, Launch&& launch) {
-  std::string result = "internal error: no sm90 kernel for head dim " + std::to_string(dim);
-  auto try_dim = [&](auto candidate) {
-    constexpr int kDim = decltype(candidate)::value;
-    if constexpr (Built{}(kDim)) {
-      if (kDim == dim) result = launch(candidate);
-    }
-  };
-  try_dim(std::integral_constant<int, 64>{});
-  try_dim(std::integral_constant<int, 128>{});
-  try_dim(std::integral_constant<int, 256>{});
-  return result;
-}
-
 struct Sm90ForwardBuilt {
-  constexpr bool operator()(int d) const {
-    return contains(kSm90HeadDims, d);
-  }
+  constexpr bool operator()(int d) const { return contains(kSm90HeadDims, d); }
 };
 
 std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
   const bool bf16 = p.element_type == ElementType::kBFloat16;
-  return with_sm90_head_dim<Sm90ForwardBuilt>(sm90_head_dim(p.head_dim), [&](auto dim) {
+  return with_head_dim<Sm90ForwardBuilt>(sm90_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     return bf16 ? sm90::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
                 : sm90::launch_forward<kDim, cutlass::half_t>(p, stream);
@@ -223,14 +208,12 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
 }
 
 struct Sm90BackwardBuilt {
-  constexpr bool operator()(int d) const {
-    return contains(kSm90BackwardHeadDims, d);
-  }
+  constexpr bool operator()(int d) const { return contains(kSm90BackwardHeadDims, d); }
 };
 
 std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   const bool bf16 = p.element_type == ElementType::kBFloat16;
-  return with_sm90_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
+  return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     return bf16 ? sm90::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
                 : sm90::launch_backward<kDim, cutlass::half_t>(p, stream);
@@ -243,7 +226,7 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
   if (nothing_to_do(p)) return {};
   if (p.element_type == ElementType::kFloat32) {
-    return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+    return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
       return f32::launch_forward<decltype(dim)::value>(p, stream);
     });
   }
@@ -255,7 +238,7 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   }
   if (use_sm90) return run_sm90_forward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
-  return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+  return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     return bf16 ? sm80::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
                 : sm80::launch_forward<kDim, cutlass::half_t>(p, stream);
@@ -270,7 +253,7 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
   if (p.element_type == ElementType::kFloat32) {
-    return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+    return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
       return f32::launch_backward<decltype(dim)::value>(p, stream);
     });
   }
@@ -282,7 +265,7 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   }
   if (use_sm90) return run_sm90_backward(p, stream);
   const bool bf16 = p.element_type == ElementType::kBFloat16;
-  return with_head_dim(padded_head_dim(p.head_dim), [&](auto dim) {
+  return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     return bf16 ? sm80::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
                 : sm80::launch_backward<kDim, cutlass::half_t>(p, stream);
