@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The one device script: from the repository root on the GPU machine (.whl carried), run the named stages in
+# order, each under its own time limit, logging to $OUT/<stage>.log and one line per stage to $OUT/summary.log.
+#   bash csrc/cuda/tests/device_run.sh build check sanitize pytest bench
+# Stages
+#   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
+#                when the sources and build switches are those of the last build on this (warm) machine
+#   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
+#   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
+#   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers
+#   sharding     the ring/sharding tests on every GPU of the machine
+#   bench        benchmarks/bench_attention.py $BENCH_ARGS           bench_cuda   standalone --bench, sm80 and sm90 bwd
+#   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
+# Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
+# A stage written with a trailing '+' (pytest+) runs in the background alongside the next ones; the script waits
+# for it at the end.
+set -uo pipefail
+out=${OUT:-/tmp/device_run}
+mkdir -p "$out"
+repo=$(pwd)
+self=$(readlink -f "$0")
+t0=$SECONDS
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a}
+check=$repo/build/standalone_check
+pytest_args=(-q -p no:cacheprovider --rootdir "$repo" -rf)
+
+stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
+  local name=$1 limit_var=${1^^}_LIMIT
+  local limit=${!limit_var:-$2}
+  shift 2
+  local start=$SECONDS
+  if [ "$(type -t "$1")" = function ]; then  # timeout runs programs: re-enter this script for a function
+    timeout "$limit" bash "$self" __function "$@" >"$out/$name.log" 2>&1
+  else
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  fi
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - start)) s (at $((SECONDS - t0)) s)" | tee -a "$out/summary.log"
+  tail -n ${TAIL:-8} "$out/$name.log"
+  return $rc
+}
+
+build() {
+  local stamp
+  stamp=$( (find csrc CMakeLists.txt cmake pyproject.toml -type f -print0 | sort -z | xargs -0 md5sum;
+            env | grep '^JAX_FLASH_CUDA' | sort) | md5sum)
+  if [ -x "$check" ] && [ "$(cat build/.stamp 2>/dev/null)" = "$stamp" ]; then
+    echo "unchanged since the last build here"; return 0
+  fi
+  python3 -m pip install -q --no-deps --no-index .whl/*.whl || return 1
+  JAX_FLASH_CUDA=ON python3 -m pip install --no-deps --no-build-isolation -v . || return 1
+  local cutlass library
+  cutlass=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+  library=$(find build -name libjax_flash_cuda_kernels.a | head -1)
+  nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -I"$cutlass" \
+    csrc/cuda/tests/standalone_check.cu "$library" -o "$check" || return 1
+  echo "$stamp" > build/.stamp
+}
+
+sanitize() {
+  local tool grid rc=0
+  for tool in memcheck racecheck synccheck; do
+    for grid in "--small" "--sm90-backward --small"; do
+      echo "== $tool $grid"
+      compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid 2>&1 | tail -n 4 || rc=1
+    done
+  done
+  return $rc
+}
+
+bench_cuda() {
+  local family
+  for family in sm80 sm90; do
+    JAX_FLASH_CUDA_KERNEL_BACKWARD=$family "$check" --bench || return 1
+  done
+}
+
+if [ "${1:-}" = __function ]; then
+  shift
+  "$@"
+  exit
+fi
+
+run_stage() {
+  case $1 in
+    build) stage build 420 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
+    check) stage check 120 "$check" ;;
+    check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;
+    sanitize) stage sanitize 240 sanitize ;;
+    # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
+    pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+              "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}") ;;
+    sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
+                "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
+    bench) stage bench 300 python3 benchmarks/bench_attention.py --out-dir "$out" ${BENCH_ARGS:-} ;;
+    bench_cuda) stage bench_cuda 90 bench_cuda ;;
+    f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
+                    compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
+    *) echo "unknown stage $1" | tee -a "$out/summary.log" ;;
+  esac
+}
+
+background=()
+for name in "$@"; do
+  if [ "${name%+}" != "$name" ]; then
+    run_stage "${name%+}" &
+    background+=($!)
+  else
+    run_stage "$name"
+  fi
+done
+[ ${#background[@]} -eq 0 ] || wait "${background[@]}"
+cat "$out/summary.log"
