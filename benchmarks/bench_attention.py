@@ -7,9 +7,9 @@ backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
       [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout] [--float32]
-jax_flash_sm80 / jax_flash_sm90 force one CUDA kernel family through JAX_FLASH_CUDA_KERNEL (csrc/cuda/README.md);
-jax_flash_sm90_bwd (only when named in --impls) is the sm90 forward plus the experimental Hopper backward
-(JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90); the other jax_flash rows run the sm80 backward.
+jax_flash_sm80 forces the sm80 kernels forward and backward (JAX_FLASH_CUDA_KERNEL[_BACKWARD]=sm80,
+csrc/cuda/README.md); jax_flash_sm90 forces the Hopper forward and lets the backward choose (the Hopper backward
+where it has a kernel, d <= 128; sm80 above), which is what a plain call does on an H100/H200.
 --features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
 highest) with XLA float32 attention at default and "highest" matmul precision.
 Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
@@ -31,12 +31,8 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 TOKENS = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
 IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
-KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90",  # JAX_FLASH_CUDA_KERNEL per implementation
-                 "jax_flash_sm90_bwd": "sm90"}
-# JAX_FLASH_CUDA_KERNEL_BACKWARD per implementation (unset: the sm80 backward). The Hopper backward is experimental,
-# so its row is only run when asked for (--impls jax_flash_sm90_bwd), not by default.
-BACKWARD_FAMILY = {"jax_flash_sm90_bwd": "sm90"}
-EXPERIMENTAL_IMPLEMENTATIONS = ("jax_flash_sm90_bwd",)
+KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
+BACKWARD_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "auto"}  # JAX_FLASH_CUDA_KERNEL_BACKWARD
 FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
 
 
@@ -220,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS + EXPERIMENTAL_IMPLEMENTATIONS)
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLEMENTATIONS + FLOAT32_IMPLEMENTATIONS)
     parser.add_argument("--float32", action="store_true",
                         help="float32 inputs: jax_flash tf32/highest vs XLA float32 default/highest")
     parser.add_argument("--reps", type=int, default=10)

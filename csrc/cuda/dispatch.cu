@@ -176,9 +176,9 @@ std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
-// ---- Backward kernel family: sm80 by default. The Hopper backward (sm90/backward_*.h) is experimental until
-// validated on a GPU, so it is opt-in: JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90 forces it (an error naming the reason
-// where it cannot run), =auto takes it where it applies; unset or sm80 keeps sm80. Read at every call.
+// ---- Backward kernel family: on compute capability 9.x the Hopper backward (sm90/backward_*.h) runs every call it
+// can (sm90_backward_refusal says which), sm80 the rest. JAX_FLASH_CUDA_KERNEL_BACKWARD=sm80 or =sm90 forces a
+// family (forced sm90: an error naming the reason where it cannot run); read at every call.
 
 constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM_LIST};
 
@@ -258,7 +258,7 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     });
   }
   bool use_sm90 = false;
-  if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90 backward", /*unset_means_auto=*/false,
+  if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90 backward", /*unset_means_auto=*/true,
                                     [&] { return sm90_backward_refusal(p); }, &use_sm90);
       !err.empty()) {
     return err;

@@ -7,7 +7,8 @@
 #                when the sources and build switches are those of the last build on this (warm) machine
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
-#   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers
+#   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
+#                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench        benchmarks/bench_attention.py $BENCH_ARGS           bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
@@ -91,10 +92,11 @@ run_stage() {
     sanitize) stage sanitize 240 sanitize ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
-              "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}") ;;
+              "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench) stage bench 300 python3 benchmarks/bench_attention.py --out-dir "$out" ${BENCH_ARGS:-} ;;
+    bench_f32) stage bench_f32 120 python3 benchmarks/bench_attention.py --out-dir "$out" --float32 ${BENCH_F32_ARGS:-} ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
                     compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;

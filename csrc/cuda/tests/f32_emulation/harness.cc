@@ -212,7 +212,9 @@ int run_case(const Case& c, bool tf32) {
       if (!std::isfinite(x[i])) { bad = true; continue; }
       err = std::max(err, std::fabs(x[i] - r[i])); mag = std::max(mag, std::fabs(r[i]));
     }
-    const double e = err / std::max(mag, 1e-30);
+    // Inputs are O(1); a gradient that is zero in theory (one visible key) is rounding noise of dP - D, terms of
+    // size ~sqrt(head_dim), hence the floor of 1 under the magnitude (tests/test_cuda.py uses the same).
+    const double e = err / std::max(mag, 1.0);
     const double tol = tf32 ? 5e-3 : 1e-5;
     const bool ok = !bad && e <= tol && x.guards_ok();
     std::printf("  %-4s rel %.2e%s%s\n", name, e, bad ? " NONFINITE/INF MISMATCH" : "", x.guards_ok() ? "" : " GUARD OVERWRITTEN");
@@ -242,6 +244,7 @@ int main() {
     {{"seqlens segments d=7", 2, 17, 33, 2, 2, 7, false, -1, -1, 0, false, {10, 17}, {33, 5}, true}, 64},
     {{"mqa d=100 65x65 causal alibi", 1, 65, 65, 3, 1, 100, true, -1, -1, 0, true}, 128},
     {{"empty q rows 1x1", 1, 1, 1, 1, 1, 32, false, -1, -1, 0, false, {0}, {1}}, 64},
+    {{"gqa 1x1", 2, 1, 1, 4, 2, 64, false}, 64},
     {{"gqa4 causal 300x40 (rows see nothing)", 1, 300, 40, 4, 1, 64, true}, 64},
     {{"window 40/10 200x150 unaligned-path", 1, 200, 150, 2, 2, 64, false, 40, 10, 0, false, {}, {}, false, true}, 64},
     {{"left window causal 129x257 d=128 kvlens", 2, 129, 257, 2, 1, 128, true, 30, -1, 0, false, {129, 60}, {257, 100}}, 128},
