@@ -12,7 +12,7 @@ csrc/cuda/README.md); jax_flash_sm90 forces the Hopper forward and lets the back
 where it has a kernel, d <= 128; sm80 above), which is what a plain call does on an H100/H200.
 --features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
 highest) with XLA float32 attention at default and "highest" matmul precision.
-Writes benchmarks/results/attention_<gpu>_<date>.json and a .png plot of TFLOP/s vs seqlen.
+Writes benchmarks/results/attention_<gpu>_<date>[_<tag>].json and a .png plot of TFLOP/s vs seqlen.
 --memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
 """
@@ -227,6 +227,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
     parser.add_argument("--out-dir", default=RESULTS_DIR)
+    parser.add_argument("--tag", default="", help="suffix of the results file name (several runs on one day)")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -241,7 +242,7 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     os.makedirs(args.out_dir, exist_ok=True)
     kind = "attention_float32" if args.float32 else "attention"
-    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}")
+    stem = os.path.join(args.out_dir, f"{kind}_{gpu.replace(' ', '_')}_{date}" + (f"_{args.tag}" if args.tag else ""))
 
     def write(rows, memory=()):  # after every row, so that a run cut short still leaves its results
         result = {"gpu": gpu, "date": date, "versions": versions(), "rows": rows}
