@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one device script: from the repository root on the GPU machine (.whl carried), run the named stages in
-# order, each under its own time limit, logging to $OUT/<stage>.log and one line per stage to $OUT/summary.log.
+# order, each under its own time limit, logging to $OUT/<stage>.log and one line per stage to $OUT/summary.log;
+# at the end every file but summary.log is packed into $OUT/results.tar.gz.
 #   bash csrc/cuda/tests/device_run.sh build check sanitize pytest bench
 # Stages
 #   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
@@ -10,7 +11,9 @@
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
-#   bench        benchmarks/bench_attention.py $BENCH_ARGS           bench_cuda   standalone --bench, sm80 and sm90 bwd
+#   bench*       benchmarks/bench_attention.py ${NAME}_ARGS (bench: $BENCH_ARGS, bench_f32: $BENCH_F32_ARGS, ...; pass
+#                --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
+#   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
 # A stage written with a trailing '+' (pytest+) runs in the background alongside the next ones; the script waits
@@ -95,9 +98,10 @@ run_stage() {
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
-    bench) stage bench 300 python3 benchmarks/bench_attention.py --out-dir "$out" ${BENCH_ARGS:-} ;;
-    bench_f32) stage bench_f32 120 python3 benchmarks/bench_attention.py --out-dir "$out" --float32 ${BENCH_F32_ARGS:-} ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
+    bench*) local args_var=${1^^}_ARGS  # bench, bench_f32, bench_xla, ...: each its own ${NAME}_ARGS
+      stage "$1" 300 python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
+    train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
     f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
                     compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
     *) echo "unknown stage $1" | tee -a "$out/summary.log" ;;
@@ -115,3 +119,6 @@ for name in "$@"; do
 done
 [ ${#background[@]} -eq 0 ] || wait "${background[@]}"
 cat "$out/summary.log"
+# The device tool brings back at most 8 files: everything else travels in one archive.
+(cd "$out" && tar czf results.tar.gz --exclude=results.tar.gz --exclude=summary.log . &&
+  find . -type f ! -name results.tar.gz ! -name summary.log -delete)
