@@ -120,5 +120,6 @@ done
 [ ${#background[@]} -eq 0 ] || wait "${background[@]}"
 cat "$out/summary.log"
 # The device tool brings back at most 8 files: everything else travels in one archive.
-(cd "$out" && tar czf results.tar.gz --exclude=results.tar.gz --exclude=summary.log . &&
-  find . -type f ! -name results.tar.gz ! -name summary.log -delete)
+archive=$(mktemp --suffix=.tar.gz)
+(cd "$out" && tar czf "$archive" --exclude=summary.log . && find . -type f ! -name summary.log -delete &&
+  mv "$archive" results.tar.gz)
