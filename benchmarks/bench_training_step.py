@@ -59,11 +59,12 @@ TOLERANCE = {"bfloat16": {"loss": 1e-2, "grad_norm": 5e-2}, "float32": {"loss": 
 def jax_nn_attention_fn(implementation: str) -> Callable[..., jax.Array]:
     """A Flax ``attention_fn`` (the arguments nnx passes) that calls ``jax.nn.dot_product_attention`` itself."""
 
-    def attention_fn(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
-                     deterministic=False, dtype=None, precision=None, module=None, is_causal=False):
+    def attention_fn(query, key, value, bias=None, mask=None, dropout_rng=None, dropout_rate=0.0,
+                     broadcast_dropout=True, deterministic=False, dtype=None, precision=None, module=None,
+                     is_causal=False):
         del dropout_rng, broadcast_dropout, dtype, precision  # no dropout here; q, k, v come in the compute dtype
-        if mask is not None or module is not None or (dropout_rate > 0.0 and not deterministic):
-            raise NotImplementedError("the benchmark's jax.nn attention takes no mask, dropout or sown weights")
+        if bias is not None or mask is not None or module is not None or (dropout_rate > 0.0 and not deterministic):
+            raise NotImplementedError("the benchmark's jax.nn attention takes no bias, mask, dropout or sown weights")
         return jax.nn.dot_product_attention(query, key, value, is_causal=is_causal, implementation=implementation)
 
     return attention_fn
