@@ -13,13 +13,14 @@ where it has a kernel, d <= 128; sm80 above), which is what a plain call does on
 --features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
 highest) with XLA float32 attention at default and "highest" matmul precision.
 Writes benchmarks/results/attention_<gpu>_<date>[_<tag>].json and a .png plot of TFLOP/s vs seqlen.
---memory also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
+--memory (--memory-only: nothing else) also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
 each implementation's peak device memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -91,7 +92,14 @@ def median_seconds(fn, args, reps: int) -> float:
 
 def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps: int,
             forward_only: bool = False, feature: str = "none") -> dict:
-    """One cell; the kernel-family variables are read at every call, so they are set for the whole measurement."""
+    """One cell, under the implementation's kernel families."""
+    with kernel_families(implementation):
+        return _measure(implementation, head_dim, seqlen, causal, reps, forward_only, feature)
+
+
+@contextlib.contextmanager
+def kernel_families(implementation: str):
+    """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD]; the C++ dispatcher reads them at every call."""
     settings = {"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
                 "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation)}
     previous = {name: os.environ.get(name) for name in settings}
@@ -99,7 +107,7 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
         if value is not None:
             os.environ[name] = value
     try:
-        return _measure(implementation, head_dim, seqlen, causal, reps, forward_only, feature)
+        yield
     finally:
         for name, value in previous.items():
             if value is None:
@@ -140,8 +148,11 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
 
 def peak_memory_child(implementation: str, seqlen: int) -> dict:
     """In a fresh process: forward + backward at [1, seqlen, 16, 128]; peak device bytes."""
-    if implementation in KERNEL_FAMILY:
-        os.environ["JAX_FLASH_CUDA_KERNEL"] = KERNEL_FAMILY[implementation]
+    with kernel_families(implementation):
+        return _peak_memory(implementation, seqlen)
+
+
+def _peak_memory(implementation: str, seqlen: int) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -160,7 +171,7 @@ def peak_memory_child(implementation: str, seqlen: int) -> dict:
 
 def run_memory_benchmark(seqlen: int) -> list[dict]:
     rows = []
-    for implementation in ("jax_flash_sm80", "xla"):
+    for implementation in IMPLEMENTATIONS:
         command = [sys.executable, os.path.abspath(__file__), "--memory-child", implementation, str(seqlen)]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = done.stdout.strip().splitlines()
@@ -225,6 +236,7 @@ def main() -> None:
                         help="padding_mask: a [batch, 1, 1, seqlen] boolean key-padding mask on every implementation; "
                              "dropout: rate 0.1 on jax_flash only (jax.nn has no dropout; the others run without)")
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
     parser.add_argument("--out-dir", default=RESULTS_DIR)
     parser.add_argument("--tag", default="", help="suffix of the results file name (several runs on one day)")
@@ -252,7 +264,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     rows = []
-    for head_dim in args.head_dims:
+    for head_dim in ([] if args.memory_only else args.head_dims):
         for causal in (False, True):
             for seqlen in args.seqlens:
                 for feature in args.features:
@@ -266,9 +278,12 @@ def main() -> None:
                               f"{implementation:22s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
                               f"{r.get('error', '')}", flush=True)
                         write(rows)
-    memory = run_memory_benchmark(args.memory_seqlen) if args.memory else []
+    memory = run_memory_benchmark(args.memory_seqlen) if args.memory or args.memory_only else []
 
     write(rows, memory)
+    if not rows:
+        print(f"wrote {stem}.json")
+        return
     try:
         plot(rows, stem + ".png", args.impls)
     except ImportError as error:  # matplotlib is optional
