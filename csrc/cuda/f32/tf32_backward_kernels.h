@@ -33,8 +33,8 @@ struct Tf32BackwardGeometry {
   // (so dK/dV does not spill) and the streamed tiles' shared memory, so that two CTAs fit an SM (sm_90: about
   // 100 KiB each at head dim 128): one CTA's loads then overlap the other's MMAs.
   static constexpr int kStreamRows = 32;
-  // Row stride of a streamed tile in floats: its float2 reads at (row g, column 2q) hit distinct banks per
-  // half-warp with a stride of 8 mod 32.
+  // Row stride of a streamed tile in floats: 8 mod 32 words makes both its read patterns (B of A Bᵀ and of
+  // P V) conflict-free (tf32_mma.h, the row order π).
   static constexpr int kStride = kHeadDim + 8;
   static constexpr int kFragElems = kBlock * kHeadDim;  // one resident tile as A fragments
   static constexpr int kStreamElems = kStreamRows * kStride;
@@ -113,11 +113,11 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
       round_loaded_tile<kQueries, kHeadDim, G::kStride, G::kThreads>(smem_do, vectorized);
       __syncthreads();
 
-      // Rows are keys (warp_row + g, + 8), columns queries (8 t + 2 q + e % 2).
+      // Rows are keys (warp_row + g, + 8), columns queries (8 t + π(2 q + e % 2)).
       [[maybe_unused]] uint32_t keep = 0;
       if constexpr (kGeneral) {
         keep = dropout.keep_bits<kRowTiles * 4>([&](int e, int64_t* i, int64_t* j) {
-          *i = m0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+          *i = m0 + 8 * (e / 4) + lane.c_rows[e % 2];
           *j = n0 + warp_row + lane.g + 8 * ((e % 4) / 2);
         });
       }
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = warp_row + lane.g + 8 * (e / 2);
-          const int row = 8 * t + 2 * lane.q + e % 2;
+          const int row = 8 * t + lane.c_rows[e % 2];
           if constexpr (kGeneral) {
             const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
                                                smem_lse[row], smem_d[row], dropout.factor(keep, 4 * t + e));
@@ -243,12 +243,12 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
     round_loaded_tile<kKeys, kHeadDim, G::kStride, G::kThreads>(smem_k, vectorized);
     round_loaded_tile<kKeys, kHeadDim, G::kStride, G::kThreads>(smem_v, vectorized);
     __syncthreads();
-    // Rows are queries (warp_row + g, + 8), columns keys (8 t + 2 q + e % 2).
+    // Rows are queries (warp_row + g, + 8), columns keys (8 t + π(2 q + e % 2)).
     [[maybe_unused]] uint32_t keep = 0;
     if constexpr (kGeneral) {
       keep = dropout.keep_bits<kKeyTiles * 4>([&](int e, int64_t* i, int64_t* j) {
         *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
-        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+        *j = n0 + 8 * (e / 4) + lane.c_rows[e % 2];
       });
     }
     float s[kKeyTiles][4], dp[kKeyTiles][4];
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = warp_row + lane.g + 8 * (e / 2);
-        const int key = 8 * t + 2 * lane.q + e % 2;
+        const int key = 8 * t + lane.c_rows[e % 2];
         if constexpr (kGeneral) {
           const ElementGrad g = general_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e],
                                              lse[e / 2], softmax_d[e / 2], dropout.factor(keep, 4 * t + e));

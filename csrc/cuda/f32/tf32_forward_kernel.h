@@ -23,10 +23,10 @@ struct Tf32ForwardGeometry {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = 16 * kWarps;
   static constexpr int kBlockN = 64;
-  // Row strides in floats. K is read as float2 at (row g, column 2q): a stride of 8 mod 32 words puts the 16
-  // lanes of each half-warp on distinct banks. V is read as scalars at (row 2q [+1], column g): 4 mod 32.
+  // Row stride of the K and V tiles in floats: 8 mod 32 words makes both read patterns conflict-free
+  // (tf32_mma.h, the key order π).
   static constexpr int kStrideK = kHeadDim + 8;
-  static constexpr int kStrideV = kHeadDim + 4;
+  static constexpr int kStrideV = kHeadDim + 8;
   static constexpr int kQElems = kBlockM * kHeadDim;  // A fragments, no padding
   static constexpr int kKElems = kBlockN * kStrideK;
   static constexpr int kVElems = kBlockN * kStrideV;
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     if constexpr (kGeneral) {
       keep = dropout.keep_bits<kNTiles * 4>([&](int e, int64_t* i, int64_t* j) {
         *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
-        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+        *j = n0 + 8 * (e / 4) + lane.c_rows[e % 2];
       });
     }
     float s[kNTiles][4];
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     }
     cp_async_commit();  // possibly empty, so that "all but the newest group" below is always V
 
-    // Score pipeline and online softmax; element e of tile t is row (e / 2 ? g + 8 : g), key 8 t + 2 q + e % 2.
+    // Score pipeline and online softmax; element e of tile t is row (e / 2 ? g + 8 : g), key 8 t + π(2 q + e % 2).
     const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kBlockM, n0, kBlockN);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t i = m0 + warp_row + lane.g + 8 * (e / 2);
-        const int64_t j = n0 + 8 * t + 2 * lane.q + e % 2;
+        const int64_t j = n0 + 8 * t + lane.c_rows[e % 2];
         float score;
         if constexpr (kGeneral) {
           float grad;

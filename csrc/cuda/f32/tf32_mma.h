@@ -10,6 +10,14 @@
 // chunk and slot q + 4 for element 2q + 1. Then each thread's two k-values are adjacent in memory (one float2
 // load), and a C fragment of P is already an A fragment: a = (c0, c2, c1, c3), no shuffles.
 //
+// The n index of S = Q Kᵀ (and of every other A Bᵀ product) is permuted within each 8-wide chunk: MMA column c
+// stands for tile row π(c), π = (0 1 6 7 3 2 5 4). That same tile (K; Q or dO of the backward, ...) is read in
+// two patterns: as B of A Bᵀ (float2 at rows π(g), g < 4 per half-warp) and, since the k index of P V is the n
+// index of S, as B of P V (scalars at rows π(2q) and π(2q + 1) of a chunk, columns g). With a row stride of
+// 8 mod 32 words both patterns hit 32 distinct banks under π, while the identity order would make the P V reads
+// two-way conflicts. Code that turns C-fragment element (tile t, e) into a coordinate uses
+// 8 t + lane.c_rows[e % 2].
+//
 // Shared-memory tiles hold TF32 bit patterns: every tile is rounded once, in place, by the threads that loaded
 // it (round_loaded_tile), before the barrier that publishes it. The rounding (cvt.rna, two instructions on sm_90)
 // then costs once per element and CTA instead of once per element, warp and reuse, which kept the issue slots
@@ -51,20 +59,28 @@ struct Mma16x8x8 {
   }
 };
 
-struct LaneCoord {
-  int g;  // lane / 4: rows g and g + 8 of the warp's 16, column g of a B fragment
-  int q;  // lane % 4
-};
-__device__ inline LaneCoord lane_coord() { return {int(threadIdx.x % 32) / 4, int(threadIdx.x % 4)}; }
+// π of the comment above, as eight 4-bit entries.
+__device__ __forceinline__ int chunk_row(int column) { return (0x45237610u >> (4 * column)) & 7; }
 
-// acc[t] += A Bᵀ for the warp's 16 rows of A, given as its fragments (load_a_fragments), and the rows 8 t + g of
-// the TF32 tile `b` (stride kStrideB), over kDepth columns: S = Q Kᵀ and its kin. b is read as float2 at column
-// 2 q of each 8-wide chunk (k-slots q and q + 4).
+struct LaneCoord {
+  int g;           // lane / 4: rows g and g + 8 of the warp's 16
+  int q;           // lane % 4
+  int b_row;       // π(g): the tile row that column g of a B fragment reads
+  int c_rows[2];   // π(2q), π(2q + 1): the tile rows (within a chunk) of C columns 2q and 2q + 1
+};
+__device__ inline LaneCoord lane_coord() {
+  const int g = int(threadIdx.x % 32) / 4, q = int(threadIdx.x % 4);
+  return {g, q, chunk_row(g), {chunk_row(2 * q), chunk_row(2 * q + 1)}};
+}
+
+// acc[t] += A Bᵀ for the warp's 16 rows of A, given as its fragments (load_a_fragments), and the rows 8 t + π(g)
+// of the TF32 tile `b` (stride kStrideB), over kDepth columns: S = Q Kᵀ and its kin. b is read as float2 at
+// column 2 q of each 8-wide chunk (k-slots q and q + 4).
 template <int kDepth, int kNTiles, int kStrideB>
 __device__ __forceinline__ void warp_abt(const float4* a_frags, const float* b, LaneCoord lane,
                                          float (&acc)[kNTiles][4]) {
   const float4* a = a_frags + 4 * lane.g + lane.q;
-  const float* b0 = b + lane.g * kStrideB + 2 * lane.q;
+  const float* b0 = b + lane.b_row * kStrideB + 2 * lane.q;
 #pragma unroll 4
   for (int ks = 0; ks < kDepth / 8; ++ks) {
     const float4 x = a[32 * ks];
@@ -79,16 +95,18 @@ __device__ __forceinline__ void warp_abt(const float4* a_frags, const float* b, 
 
 // acc[t] += P B for a score-shaped C fragment p (16 rows x 8 kKTiles columns, e.g. P or dS) and the
 // [8 kKTiles, 8 kNTiles] TF32 tile b (stride kStrideB): O += P V and its kin. P's C fragment is its A fragment
-// under the k-slot order above, rounded here; b is read as scalars at rows 8 kt + 2 q (+1), column 8 t + g.
+// under the k-slot order above, rounded here; b is read as scalars at rows 8 kt + π(2q), 8 kt + π(2q + 1),
+// column 8 t + g.
 template <int kKTiles, int kNTiles, int kStrideB>
 __device__ __forceinline__ void warp_pb(const float (&p)[kKTiles][4], const float* b, LaneCoord lane,
                                         float (&acc)[kNTiles][4]) {
 #pragma unroll
   for (int kt = 0; kt < kKTiles; ++kt) {
     const uint32_t frag[4] = {to_tf32(p[kt][0]), to_tf32(p[kt][2]), to_tf32(p[kt][1]), to_tf32(p[kt][3])};
-    const float* b0 = b + (8 * kt + 2 * lane.q) * kStrideB + lane.g;
+    const float* b0 = b + (8 * kt + lane.c_rows[0]) * kStrideB + lane.g;
+    const float* b1 = b + (8 * kt + lane.c_rows[1]) * kStrideB + lane.g;
 #pragma unroll
-    for (int t = 0; t < kNTiles; ++t) Mma16x8x8::run(acc[t], frag, bits(b0[8 * t]), bits(b0[kStrideB + 8 * t]));
+    for (int t = 0; t < kNTiles; ++t) Mma16x8x8::run(acc[t], frag, bits(b0[8 * t]), bits(b1[8 * t]));
   }
 }
 
