@@ -41,6 +41,17 @@ struct Tf32BackwardGeometry {
   static constexpr int kBytes = (2 * kFragElems + 2 * kStreamElems + 2 * kStreamRows) * int(sizeof(float));
 };
 
+// Common variant, one score element: P = exp(scale dot - lse) as one FFMA and one MUFU.EX2 in base 2 (lse_log2 =
+// lse log2(e)), dS = P (dP - D); 0 where masked. The exact kernels' expf would be eight instructions.
+__device__ __forceinline__ void tf32_probability_and_grad(float scale_log2, const SliceMask& mask, bool check_mask,
+                                                          int64_t i, int64_t j, float dot, float dp, float lse_log2,
+                                                          float softmax_d, float* prob, float* dscore) {
+  const bool visible = !check_mask || mask.visible(i, j);
+  const float pr = visible ? exp2_approx(fmaf(dot, scale_log2, -lse_log2)) : 0.0f;
+  *prob = pr;
+  *dscore = pr * (dp - softmax_d);
+}
+
 template <int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
     tf32_dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
@@ -105,7 +116,7 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
       cp_async_commit();
       for (int r = threadIdx.x; r < kQueries; r += G::kThreads) {
         smem_lse[r] = r < valid_rows ? stats_lse[m0 + r] : INFINITY;  // masked anyway; INFINITY keeps exp at 0
-        if constexpr (kGeneral) smem_lse[r] = backward_lse(smem_lse[r]);
+        smem_lse[r] = kGeneral ? backward_lse(smem_lse[r]) : smem_lse[r] * kLog2e;  // base 2 for the common one
         smem_d[r] = r < valid_rows ? stats_d[m0 + r] : 0.0f;
       }
       cp_async_wait<0>();
@@ -139,8 +150,8 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
             st[t][e] = g.prob_for_dv;
             dpt[t][e] = g.dscore;
           } else {
-            common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, st[t][e], dpt[t][e],
-                                        smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
+            tf32_probability_and_grad(p.softmax_scale * kLog2e, mask, check_mask, m0 + row, n0 + key, st[t][e],
+                                      dpt[t][e], smem_lse[row], smem_d[row], &st[t][e], &dpt[t][e]);
           }
         }
       warp_pb<kRowTiles, kDimTiles, G::kStride>(st, smem_do, lane, dv);
@@ -220,7 +231,7 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
   for (int h = 0; h < 2; ++h) {
     const int row = warp_row + lane.g + 8 * h;
     lse[h] = row < valid_rows ? p.lse[stats + row] : INFINITY;
-    if constexpr (kGeneral) lse[h] = backward_lse(lse[h]);
+    lse[h] = kGeneral ? backward_lse(lse[h]) : lse[h] * kLog2e;  // base 2 for the common variant
     softmax_d[h] = row < valid_rows ? p.softmax_d[stats + row] : 0.0f;
   }
   const float* k_head = static_cast<const float*>(p.k) + kv_shape.offset(cta.batch, 0, head_kv);
@@ -270,8 +281,8 @@ __global__ void __launch_bounds__(Tf32BackwardGeometry<kHeadDim>::kThreads)
           add_dbias(p, dbias_mode, dbias_slice, m0 + row, n0 + key, g);
         } else {
           float prob;
-          common_probability_and_grad(p, mask, check_mask, m0 + row, n0 + key, s[t][e], dp[t][e], lse[e / 2],
-                                      softmax_d[e / 2], &prob, &dp[t][e]);
+          tf32_probability_and_grad(p.softmax_scale * kLog2e, mask, check_mask, m0 + row, n0 + key, s[t][e],
+                                    dp[t][e], lse[e / 2], softmax_d[e / 2], &prob, &dp[t][e]);
         }
       }
     warp_pb<kKeyTiles, kDimTiles, G::kStride>(dp, smem_k, lane, dq);
