@@ -1,8 +1,9 @@
 // TF32 tensor-core forward (float32 in and out, float32 accumulation): FlashAttention-2's split, 4 warps per CTA
 // each owning 16 of its 64 query rows, mma.m16n8k8 TF32 for S = Q Kᵀ and O += P V (P dropped out in the general
-// variant; the lse is of the undropped probabilities). Q, K and V stay float32 in shared memory (cp.async) and
-// are rounded to TF32 as their fragments are read; the softmax runs in float32 on the accumulators. V of a tile
-// loads while S is computed, K of the next tile while P V is.
+// variant; the lse is of the undropped probabilities). Each warp keeps its Q rows as TF32 A fragments in shared
+// memory (load_a_fragments); K and V tiles arrive by cp.async and are rounded to TF32 in place once they land
+// (round_loaded_tile). The softmax runs in float32 on the accumulators, with exp2. V of a tile loads while S is
+// computed, K of the next tile while P V is.
 #pragma once
 
 #include <cmath>
@@ -22,12 +23,12 @@ struct Tf32ForwardGeometry {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockM = 16 * kWarps;
   static constexpr int kBlockN = 64;
-  // Row strides in floats. Q and K are read as float2 at (row g, column 2q): a stride of 8 mod 32 words puts
-  // the 16 lanes of each half-warp on distinct banks. V is read as scalars at (row 2q [+1], column g): 4 mod 32.
-  static constexpr int kStrideQK = kHeadDim + 8;
-  static constexpr int kStrideV = kHeadDim + 4;
-  static constexpr int kQElems = kBlockM * kStrideQK;
-  static constexpr int kKElems = kBlockN * kStrideQK;
+  // Row stride of the K and V tiles in floats: 8 mod 32 words makes both read patterns conflict-free
+  // (tf32_mma.h, the key order π).
+  static constexpr int kStrideK = kHeadDim + 8;
+  static constexpr int kStrideV = kHeadDim + 8;
+  static constexpr int kQElems = kBlockM * kHeadDim;  // A fragments, no padding
+  static constexpr int kKElems = kBlockN * kStrideK;
   static constexpr int kVElems = kBlockN * kStrideV;
   static constexpr int kBytes = (kQElems + kKElems + kVElems) * int(sizeof(float));
 };
@@ -41,8 +42,8 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
   constexpr int kKSteps = kHeadDim / 8;   // k-steps of S = Q Kᵀ, n-tiles of O
   constexpr int kNTiles = kBlockN / 8;    // n-tiles of S, k-steps of P V
   extern __shared__ __align__(16) float smem[];
-  float* smem_q = smem;
-  float* smem_k = smem_q + G::kQElems;
+  float4* smem_q = reinterpret_cast<float4*>(smem);
+  float* smem_k = smem + G::kQElems;
   float* smem_v = smem_k + G::kKElems;
 
   const int num_m_blocks = static_cast<int>(ceil_div(p.seqlen_q, kBlockM));
@@ -70,15 +71,18 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
 
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
   const int q_valid_rows = static_cast<int>(max(int64_t(0), min(int64_t(kBlockM), mask.valid_q - m0)));
-  load_tile_async<kBlockM, kHeadDim, G::kStrideQK, G::kThreads>(
-      smem_q, static_cast<const float*>(p.q) + q_offset, q_shape.row_stride(), q_valid_rows, head_dim, vectorized);
+  // The warp's 16 rows (32 float4 per k-step); a thread reads only the fragments it wrote.
+  float4* q_frags = smem_q + (warp_row / 16) * 32 * kKSteps;
   if (!key_tiles.empty()) {
     const int n_block = key_tiles.begin;
-    load_tile_async<kBlockN, kHeadDim, G::kStrideQK, G::kThreads>(
+    load_tile_async<kBlockN, kHeadDim, G::kStrideK, G::kThreads>(
         smem_k, k_head + int64_t(n_block) * kBlockN * kv_ld, kv_ld, keys_of(n_block), head_dim, vectorized);
   }
   cp_async_commit();
+  load_a_fragments<kHeadDim>(q_frags, static_cast<const float*>(p.q) + q_offset + warp_row * q_shape.row_stride(),
+                             q_shape.row_stride(), q_valid_rows - warp_row, head_dim, vectorized, lane);
   cp_async_wait<0>();
+  if (!key_tiles.empty()) round_loaded_tile<kBlockN, kHeadDim, G::kStrideK, G::kThreads>(smem_k, vectorized);
   __syncthreads();
 
   // Rows warp_row + g (index 0) and warp_row + g + 8 (index 1) of the CTA's tile.
@@ -97,20 +101,20 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     if constexpr (kGeneral) {
       keep = dropout.keep_bits<kNTiles * 4>([&](int e, int64_t* i, int64_t* j) {
         *i = m0 + warp_row + lane.g + 8 * ((e % 4) / 2);
-        *j = n0 + 8 * (e / 4) + 2 * lane.q + e % 2;
+        *j = n0 + 8 * (e / 4) + lane.c_rows[e % 2];
       });
     }
     float s[kNTiles][4];
     zero(s);
-    warp_abt<kHeadDim, kNTiles, G::kStrideQK, G::kStrideQK>(smem_q + warp_row * G::kStrideQK, smem_k, lane, s);
+    warp_abt<kHeadDim, kNTiles, G::kStrideK>(q_frags, smem_k, lane, s);
     __syncthreads();  // every warp is done with K
     if (n_block + 1 < key_tiles.end) {
-      load_tile_async<kBlockN, kHeadDim, G::kStrideQK, G::kThreads>(
+      load_tile_async<kBlockN, kHeadDim, G::kStrideK, G::kThreads>(
           smem_k, k_head + (n0 + kBlockN) * kv_ld, kv_ld, keys_of(n_block + 1), head_dim, vectorized);
     }
     cp_async_commit();  // possibly empty, so that "all but the newest group" below is always V
 
-    // Score pipeline and online softmax; element e of tile t is row (e / 2 ? g + 8 : g), key 8 t + 2 q + e % 2.
+    // Score pipeline and online softmax; element e of tile t is row (e / 2 ? g + 8 : g), key 8 t + π(2 q + e % 2).
     const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kBlockM, n0, kBlockN);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t i = m0 + warp_row + lane.g + 8 * (e / 2);
-        const int64_t j = n0 + 8 * t + 2 * lane.q + e % 2;
+        const int64_t j = n0 + 8 * t + lane.c_rows[e % 2];
         float score;
         if constexpr (kGeneral) {
           float grad;
@@ -138,7 +142,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
       const float new_max = fmaxf(row_max[h], m);
       base[h] = new_max == -INFINITY ? 0.0f : new_max;  // all masked so far: every p is 0
-      const float correction = expf(row_max[h] - base[h]);
+      const float correction = exp2_approx((row_max[h] - base[h]) * kLog2e);
       row_max[h] = new_max;
       row_sum[h] *= correction;
 #pragma unroll
@@ -151,7 +155,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
     for (int t = 0; t < kNTiles; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[t][e] = expf(s[t][e] - base[e / 2]);
+        s[t][e] = exp2_approx(fmaf(s[t][e], kLog2e, -base[e / 2] * kLog2e));
         row_sum[e / 2] += s[t][e];
         if constexpr (kGeneral) {  // dropout after the row sum: only P V sees it
           s[t][e] *= dropout.factor(keep, 4 * t + e);
@@ -159,10 +163,13 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
       }
 
     cp_async_wait<1>();  // V
+    round_loaded_tile<kBlockN, kHeadDim, G::kStrideV, G::kThreads>(smem_v, vectorized);
     __syncthreads();
     warp_pb<kNTiles, kKSteps, G::kStrideV>(s, smem_v, lane, acc);
     cp_async_wait<0>();  // next K
-    __syncthreads();     // every warp is done with V, and the next K is visible
+    if (n_block + 1 < key_tiles.end)
+      round_loaded_tile<kBlockN, kHeadDim, G::kStrideK, G::kThreads>(smem_k, vectorized);
+    __syncthreads();  // every warp is done with V, and the next K is visible
   }
 
   // Normalise and store; rows that saw no key give o = 0 and lse = -inf.

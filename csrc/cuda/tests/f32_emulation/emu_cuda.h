@@ -46,8 +46,11 @@ inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline uint32_t __float_as_uint(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float __uint_as_float(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 template <class Kernel>

@@ -1,6 +1,7 @@
-// Host emulation of cvt.rna.tf32.f32, mma.m16n8k8 TF32 (PTX fragment layouts) and cp.async.
+// Host emulation of cvt.rna.tf32.f32, mma.m16n8k8 TF32 (PTX fragment layouts), ex2.approx.ftz and cp.async.
 #pragma once
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 inline uint32_t emu_to_tf32(float x) {
@@ -37,6 +38,10 @@ inline void emu_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
     for (int k = 0; k < 8; ++k) acc += A[rows[e]][k] * B[k][cols[e]];
     c[e] = acc;
   }
+}
+inline float emu_exp2_approx(float x) {  // ex2.approx.ftz: denormal results flush to zero
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 inline void emu_cp_async(void* smem, const void* gmem, bool fill) {
   if (fill) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);

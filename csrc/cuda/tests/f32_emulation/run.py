@@ -33,6 +33,8 @@ def emulated_tf32_header(text: str) -> str:
     text = text.replace("#include <cute/arch/mma_sm80.hpp>", '#include "emu_ptx.h"')
     text = replace_function(text, "__device__ __forceinline__ uint32_t to_tf32(float x)",
                             "__device__ __forceinline__ uint32_t to_tf32(float x) { return emu_to_tf32(x); }")
+    text = replace_function(text, "__device__ __forceinline__ float exp2_approx(float x)",
+                            "__device__ __forceinline__ float exp2_approx(float x) { return emu_exp2_approx(x); }")
     text = replace_function(text, "  __device__ __forceinline__ static void run(",
                             "  static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) "
                             "{ emu_mma(c, a, b0, b1); }")
