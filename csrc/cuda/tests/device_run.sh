@@ -7,15 +7,18 @@
 #   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
 #                when the sources and build switches are those of the last build on this (warm) machine
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
+#   check_persistent  the check with the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1)
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
-#   bench*       benchmarks/bench_attention.py ${NAME}_ARGS (bench: $BENCH_ARGS, bench_f32: $BENCH_F32_ARGS, ...; pass
-#                --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
+#   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
+#                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
+# TOTAL_LIMIT (seconds, optional) caps the whole script: later stages shrink or are skipped so that the results
+# are still packed before the device call's own limit.
 # A stage written with a trailing '+' (pytest+) runs in the background alongside the next ones; the script waits
 # for it at the end.
 set -uo pipefail
@@ -34,6 +37,11 @@ stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 limit_var=${1^^}_LIMIT
   local limit=${!limit_var:-$2}
   shift 2
+  if [ -n "${TOTAL_LIMIT:-}" ]; then  # leave 15 s for packing the results inside the call's own limit
+    local left=$((TOTAL_LIMIT - 15 - (SECONDS - t0)))
+    [ $left -lt $limit ] && limit=$left
+    if [ $limit -le 5 ]; then echo "$name: skipped (TOTAL_LIMIT reached)" | tee -a "$out/summary.log"; return 1; fi
+  fi
   local start=$SECONDS
   if [ "$(type -t "$1")" = function ]; then  # timeout runs programs: re-enter this script for a function
     timeout "$limit" bash "$self" __function "$@" >"$out/$name.log" 2>&1
@@ -99,8 +107,9 @@ run_stage() {
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
-    bench*) local args_var=${1^^}_ARGS  # bench, bench_f32, bench_xla, ...: each its own ${NAME}_ARGS
-      stage "$1" 300 python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
+    bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
+      stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
+    check_persistent) stage check_persistent 120 env JAX_FLASH_SM90_PERSISTENT=1 "$check" ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
     f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
                     compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
