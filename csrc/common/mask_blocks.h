@@ -28,7 +28,8 @@ JF_HOST_DEVICE int64_t mask_blocks_along(int64_t size) {
 
 // The summary of one (batch, head) slice.
 struct SliceMaskBlocks {
-  const uint8_t* blocks = nullptr;  // block (0, 0) of this slice; nullptr: no mask, everything visible
+  const uint8_t* blocks = nullptr;  // block (0, 0) of this slice; nullptr: no summary, every tile is `unsummarised`
+  MaskCover unsummarised = MaskCover::kVisible;  // kPartial for a mask without a summary (read, skip nothing)
   int64_t query_stride = 0;         // in bytes per query block; 0 when the mask broadcasts over queries
   int64_t key_stride = 0;           // likewise per key block
   int64_t query_blocks = 0;         // blocks of the whole query and key sequences
@@ -37,7 +38,7 @@ struct SliceMaskBlocks {
   // How the mask covers rows [row0, row0 + rows) x keys [col0, col0 + cols) (rows and keys past the sequences
   // ignored): hidden or visible when every block it touches is, partial otherwise.
   JF_HOST_DEVICE MaskCover cover(int64_t row0, int rows, int64_t col0, int cols) const {
-    if (blocks == nullptr) return MaskCover::kVisible;
+    if (blocks == nullptr) return unsummarised;
     const int64_t q_begin = row0 / kMaskBlock, k_begin = col0 / kMaskBlock;
     int64_t q_end = (row0 + rows + kMaskBlock - 1) / kMaskBlock;
     int64_t k_end = (col0 + cols + kMaskBlock - 1) / kMaskBlock;
@@ -58,7 +59,11 @@ struct SliceMaskBlocks {
 
 JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
   SliceMaskBlocks m;
-  if (p.mask == nullptr || p.mask_blocks == nullptr) return m;
+  if (p.mask == nullptr) return m;
+  if (p.mask_blocks == nullptr) {
+    m.unsummarised = MaskCover::kPartial;
+    return m;
+  }
   const BroadcastStrides& s = p.mask_blocks_strides;
   m.blocks = p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
   m.query_stride = s.query;

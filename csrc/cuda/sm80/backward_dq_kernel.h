@@ -1,8 +1,8 @@
 // Backward, dQ pass: one CTA owns kBlockM query rows of one head (the forward's shape) and streams the visible
-// key tiles, recomputing S and dP and keeping dQ in registers, so dQ is formed in one fixed order with no
-// atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this pass plus the dK/dV pass
-// ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the dK/dV pass
-// (228 vs 204 TFLOP/s), and it is deterministic for free. The general variant also hands each dS to dbias
+// key tiles (picked as in the forward), recomputing S and dP and keeping dQ in registers, so dQ is formed in one
+// fixed order with no atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this
+// pass plus the dK/dV pass ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the
+// dK/dV pass (228 vs 204 TFLOP/s), and it is deterministic for free. The general variant also hands each dS to dbias
 // (DbiasMode; backward_launch.h decides).
 #pragma once
 
@@ -55,7 +55,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float* const dbias_slice = kGeneral && dbias_mode != DbiasMode::kNone ? dbias_slice_of(p, cta.batch, cta.head) : nullptr;
 
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
-  if (key_tiles.empty()) {
+  // As in the forward: key tiles whose boolean-mask blocks are all hidden are skipped (general variant).
+  auto mask_cover = [&](int n_block) {
+    if constexpr (kGeneral) {
+      return make_slice_mask_blocks(p, cta.batch, cta.head).cover(m0, kBlockM, int64_t(n_block) * kBlockN, kBlockN);
+    } else {
+      return MaskCover::kVisible;
+    }
+  };
+  auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
+  const int first_tile = next_tile(key_tiles.begin);
+  if (first_tile >= key_tiles.end) {
     QTile::store_zeros(dq_out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
     return;
   }
@@ -77,9 +87,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     KVTile::load(smem_v + stage * Traits::kKVElems, v_head + offset, kv_shape.row_stride(), valid, p.head_dim,
                  vectorized);
   };
+  int prefetch_tile = first_tile;  // kStages - 1 tiles ahead of the one being computed
   CUTE_UNROLL
   for (int s = 0; s < kStages - 1; ++s) {
-    if (key_tiles.begin + s < key_tiles.end) load_key_tile(key_tiles.begin + s, s);
+    if (prefetch_tile < key_tiles.end) {
+      load_key_tile(prefetch_tile, s);
+      prefetch_tile = next_tile(prefetch_tile + 1);
+    }
     cp_async_fence();
   }
 
@@ -119,7 +133,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   stats.load(p, cta.batch, cta.head, m0, coords);
   const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
-  auto accumulate_key_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
+  auto accumulate_key_tile = [&](int n_block, int stage, bool read_boolean_mask, auto check_mask)
+                                 __attribute__((always_inline)) {
     const int64_t n0 = int64_t(n_block) * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -129,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     clear(acc_dp);
     gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_b.partition_S(sK(stage)), copy_a, copy_b);
     gemm_smem_smem(mma, acc_dp, frag_do, frag_v, smem_do_part, thr_copy_b.partition_S(sV(stage)), copy_a, copy_b);
-    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, cta.head);
+    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, cta.head, read_boolean_mask);
     if constexpr (kGeneral) {
       backward_scores<kGeneral, decltype(check_mask)::value>(
           scorer, p, keep, acc_s, acc_dp, coords, stats, m0, n0, to_log2,
@@ -150,16 +165,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
-  for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
-    const int step = n_block - key_tiles.begin;
+  for (int n_block = first_tile, step = 0; n_block < key_tiles.end; n_block = next_tile(n_block + 1), ++step) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (n_block + kStages - 1 < key_tiles.end) load_key_tile(n_block + kStages - 1, (step + kStages - 1) % kStages);
+    if (prefetch_tile < key_tiles.end) {
+      load_key_tile(prefetch_tile, (step + kStages - 1) % kStages);
+      prefetch_tile = next_tile(prefetch_tile + 1);
+    }
     cp_async_fence();
+    const bool read_boolean_mask = mask_cover(n_block) != MaskCover::kVisible;
     if (n_block >= interior.begin && n_block < interior.end) {
-      accumulate_key_tile(n_block, step % kStages, cute::false_type{});
+      accumulate_key_tile(n_block, step % kStages, read_boolean_mask, cute::false_type{});
     } else {
-      accumulate_key_tile(n_block, step % kStages, cute::true_type{});
+      accumulate_key_tile(n_block, step % kStages, read_boolean_mask, cute::true_type{});
     }
   }
 
