@@ -35,21 +35,25 @@ struct SliceMaskBlocks {
   int64_t query_blocks = 0;         // blocks of the whole query and key sequences
   int64_t key_blocks = 0;
 
-  // How the mask covers rows [row0, row0 + rows) x keys [col0, col0 + cols) (rows and keys past the sequences
-  // ignored): hidden or visible when every block it touches is, partial otherwise.
-  JF_HOST_DEVICE MaskCover cover(int64_t row0, int rows, int64_t col0, int cols) const {
+  // How the mask covers the kRows x kCols tile at (row0, col0), which starts at a multiple of its own size (so it
+  // spans whole blocks, or lies inside one): hidden or visible when every block it touches is (blocks past the
+  // sequences ignored), partial otherwise. Fixed trip counts, so the kernels' loops carry no extra state.
+  template <int kRows, int kCols>
+  JF_HOST_DEVICE MaskCover cover(int64_t row0, int64_t col0) const {
+    static_assert((kRows % kMaskBlock == 0 || kMaskBlock % kRows == 0) &&
+                  (kCols % kMaskBlock == 0 || kMaskBlock % kCols == 0));
+    constexpr int kBlocksQ = kRows > kMaskBlock ? kRows / kMaskBlock : 1;
+    constexpr int kBlocksK = kCols > kMaskBlock ? kCols / kMaskBlock : 1;
     if (blocks == nullptr) return unsummarised;
-    const int64_t q_begin = row0 / kMaskBlock, k_begin = col0 / kMaskBlock;
-    int64_t q_end = (row0 + rows + kMaskBlock - 1) / kMaskBlock;
-    int64_t k_end = (col0 + cols + kMaskBlock - 1) / kMaskBlock;
-    q_end = query_stride == 0 ? q_begin + 1 : (q_end < query_blocks ? q_end : query_blocks);
-    k_end = key_stride == 0 ? k_begin + 1 : (k_end < key_blocks ? k_end : key_blocks);
-    uint8_t least = 2, most = 0;
-    for (int64_t qb = q_begin; qb < q_end; ++qb) {
-      for (int64_t kb = k_begin; kb < k_end; ++kb) {
-        const uint8_t b = blocks[qb * query_stride + kb * key_stride];
-        least = b < least ? b : least;
-        most = b > most ? b : most;
+    const int64_t q0 = row0 / kMaskBlock, k0 = col0 / kMaskBlock;
+    unsigned least = 2, most = 0;
+    for (int qb = 0; qb < kBlocksQ; ++qb) {
+      for (int kb = 0; kb < kBlocksK; ++kb) {
+        if (q0 + qb < query_blocks && k0 + kb < key_blocks) {
+          const unsigned b = blocks[(q0 + qb) * query_stride + (k0 + kb) * key_stride];
+          least = b < least ? b : least;
+          most = b > most ? b : most;
+        }
       }
     }
     if (most == 0) return MaskCover::kHidden;

@@ -63,14 +63,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // are skipped, so a KV head whose keys no query head sees (a padded tail) loads and computes nothing.
   auto mask_cover = [&](int item) {
     if constexpr (kGeneral) {
-      return make_slice_mask_blocks(p, cta.batch, item_head(item)).cover(item_row0(item), kBlockM, n0, kBlockN);
+      return make_slice_mask_blocks(p, cta.batch, item_head(item)).template cover<kBlockM, kBlockN>(item_row0(item), n0);
     } else {
       return MaskCover::kVisible;
     }
   };
   auto next_item = [&](int item) { return next_unhidden_tile(item, items, mask_cover); };
-  const int first_item = next_item(0);
-  if (first_item >= items) {
+  const MaskedTile first_item = next_item(0);
+  if (first_item.index >= items) {
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -93,13 +93,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     QTile::load(smem_do + stage * Traits::kQElems, static_cast<const T*>(p.d_o) + offset, q_shape.row_stride(),
                 valid, p.head_dim, vectorized);
   };
-  int prefetch_item = first_item;  // kStages - 1 items ahead of the one being computed
-  CUTE_UNROLL
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (prefetch_item < items) {
-      load_query_tile(prefetch_item, s);
-      prefetch_item = next_item(prefetch_item + 1);
-    }
+  // One Q/dO buffer (loaded at the top of each step) or two (the next item's loads overlap this one's math).
+  static_assert(kStages == 1 || kStages == 2, "the item loop prefetches at most one item ahead");
+  if constexpr (kStages == 2) {
+    load_query_tile(first_item.index, 0);
     cp_async_fence();
   }
 
@@ -185,25 +182,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   };
 
-  for (int item = first_item, step = 0; item < items; item = next_item(item + 1), ++step) {
-    const int stage = step % kStages;
+  // stage: item parity in the common variant (every item is visited), a counter of visited items otherwise.
+  int visited = 0;
+  for (MaskedTile tile = first_item, next{}; tile.index < items; tile = next, ++visited) {
+    const int item = tile.index;
+    next = next_item(item + 1);
+    const int stage = kStages == 1 ? 0 : (kGeneral ? visited : item) % kStages;
     if constexpr (kStages == 1) {
       __syncthreads();  // everyone is done with the single Q/dO buffer
       load_query_tile(item, 0);
       cp_async_fence();
     }
-    cp_async_wait<(kStages > 1 ? kStages - 2 : 0)>();
+    cp_async_wait<0>();
     // This item's Q/dO are in smem for everyone; everyone is done with the previous item's P/dS and with the
     // stage the prefetch overwrites.
     __syncthreads();
-    if constexpr (kStages > 1) {
-      if (prefetch_item < items) {
-        load_query_tile(prefetch_item, (step + kStages - 1) % kStages);
-        prefetch_item = next_item(prefetch_item + 1);
-      }
+    if constexpr (kStages == 2) {
+      if (next.index < items) load_query_tile(next.index, stage ^ 1);
       cp_async_fence();
     }
-    const bool read_boolean_mask = mask_cover(item) != MaskCover::kVisible;
+    const bool read_boolean_mask = tile.cover != MaskCover::kVisible;
     const int64_t m0 = item_row0(item);
     if (tile_fully_visible(group_mask, m0, kBlockM, n0, kBlockN)) {
       accumulate_query_tile(item, stage, read_boolean_mask, cute::false_type{});

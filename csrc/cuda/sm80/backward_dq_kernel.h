@@ -58,14 +58,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // As in the forward: key tiles whose boolean-mask blocks are all hidden are skipped (general variant).
   auto mask_cover = [&](int n_block) {
     if constexpr (kGeneral) {
-      return make_slice_mask_blocks(p, cta.batch, cta.head).cover(m0, kBlockM, int64_t(n_block) * kBlockN, kBlockN);
+      return make_slice_mask_blocks(p, cta.batch, cta.head).template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
     } else {
       return MaskCover::kVisible;
     }
   };
   auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
-  const int first_tile = next_tile(key_tiles.begin);
-  if (first_tile >= key_tiles.end) {
+  const MaskedTile first_tile = next_tile(key_tiles.begin);
+  if (first_tile.index >= key_tiles.end) {
     QTile::store_zeros(dq_out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
     return;
   }
@@ -87,15 +87,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     KVTile::load(smem_v + stage * Traits::kKVElems, v_head + offset, kv_shape.row_stride(), valid, p.head_dim,
                  vectorized);
   };
-  int prefetch_tile = first_tile;  // kStages - 1 tiles ahead of the one being computed
-  CUTE_UNROLL
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (prefetch_tile < key_tiles.end) {
-      load_key_tile(prefetch_tile, s);
-      prefetch_tile = next_tile(prefetch_tile + 1);
-    }
-    cp_async_fence();
-  }
+  // Two K/V buffers: the next visible tile loads while this one is computed.
+  static_assert(kStages == 2, "the key-tile loop prefetches exactly one tile ahead");
+  load_key_tile(first_tile.index, 0);
+  cp_async_fence();
 
   const int tid = threadIdx.x;
   typename Traits::TiledMma mma;
@@ -165,19 +160,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
-  for (int n_block = first_tile, step = 0; n_block < key_tiles.end; n_block = next_tile(n_block + 1), ++step) {
-    cp_async_wait<kStages - 2>();
+  // stage: tile parity in the common variant (tiles are consecutive), a counter of visited tiles otherwise.
+  int visited = 0;
+  for (MaskedTile tile = first_tile, next{}; tile.index < key_tiles.end; tile = next, ++visited) {
+    const int n_block = tile.index;
+    next = next_tile(n_block + 1);
+    const int stage = (kGeneral ? visited : n_block - key_tiles.begin) % kStages;
+    cp_async_wait<0>();
+    // Tile n_block is in smem for everyone, and everyone is done with the stage the prefetch overwrites.
     __syncthreads();
-    if (prefetch_tile < key_tiles.end) {
-      load_key_tile(prefetch_tile, (step + kStages - 1) % kStages);
-      prefetch_tile = next_tile(prefetch_tile + 1);
-    }
+    if (next.index < key_tiles.end) load_key_tile(next.index, stage ^ 1);
     cp_async_fence();
-    const bool read_boolean_mask = mask_cover(n_block) != MaskCover::kVisible;
+    const bool read_boolean_mask = tile.cover != MaskCover::kVisible;
     if (n_block >= interior.begin && n_block < interior.end) {
-      accumulate_key_tile(n_block, step % kStages, read_boolean_mask, cute::false_type{});
+      accumulate_key_tile(n_block, stage, read_boolean_mask, cute::false_type{});
     } else {
-      accumulate_key_tile(n_block, step % kStages, read_boolean_mask, cute::true_type{});
+      accumulate_key_tile(n_block, stage, read_boolean_mask, cute::true_type{});
     }
   }
 
