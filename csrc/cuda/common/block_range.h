@@ -69,22 +69,13 @@ JF_HOST_DEVICE bool tile_fully_visible(const SliceMask& mask, int64_t row_begin,
   return mask.key_begin(row_begin + rows - 1) <= key_begin && key_begin + keys <= mask.key_end(row_begin);
 }
 
-// A tile of a kernel's loop and how the boolean mask's block summary covers it.
-struct MaskedTile {
-  int index;
-  MaskCover cover;
-};
-
-// The first tile in [tile, end) that the boolean mask does not hide entirely (index end if none); cover(t) is tile
-// t's MaskCover (common/mask_blocks.h). Kernels walk their tiles with it, so hidden tiles are neither loaded nor
+// The first tile in [tile, end) that the boolean mask does not hide entirely (end if none); cover(t) is tile t's
+// MaskCover (common/mask_blocks.h). Kernels walk their tiles with it, so hidden tiles are neither loaded nor
 // computed: they would only contribute -inf scores (no probability, no gradient).
 template <class Cover>
-JF_HOST_DEVICE MaskedTile next_unhidden_tile(int tile, int end, Cover const& cover) {
-  for (; tile < end; ++tile) {
-    const MaskCover c = cover(tile);
-    if (c != MaskCover::kHidden) return {tile, c};
-  }
-  return {end, MaskCover::kHidden};
+JF_HOST_DEVICE int next_unhidden_tile(int tile, int end, Cover const& cover) {
+  while (tile < end && cover(tile) == MaskCover::kHidden) ++tile;
+  return tile;
 }
 
 }  // namespace jax_flash::cuda

@@ -63,14 +63,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // are skipped, so a KV head whose keys no query head sees (a padded tail) loads and computes nothing.
   auto mask_cover = [&](int item) {
     if constexpr (kGeneral) {
-      return make_slice_mask_blocks(p, cta.batch, item_head(item)).template cover<kBlockM, kBlockN>(item_row0(item), n0);
+      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, item_head(item));
+      return blocks.template cover<kBlockM, kBlockN>(item_row0(item), n0);
     } else {
       return MaskCover::kVisible;
     }
   };
   auto next_item = [&](int item) { return next_unhidden_tile(item, items, mask_cover); };
-  const MaskedTile first_item = next_item(0);
-  if (first_item.index >= items) {
+  const int first_item = next_item(0);
+  if (first_item >= items) {
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // One Q/dO buffer (loaded at the top of each step) or two (the next item's loads overlap this one's math).
   static_assert(kStages == 1 || kStages == 2, "the item loop prefetches at most one item ahead");
   if constexpr (kStages == 2) {
-    load_query_tile(first_item.index, 0);
+    load_query_tile(first_item, 0);
     cp_async_fence();
   }
 
@@ -182,12 +183,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   };
 
-  // stage: item parity in the common variant (every item is visited), a counter of visited items otherwise.
-  int visited = 0;
-  for (MaskedTile tile = first_item, next{}; tile.index < items; tile = next, ++visited) {
-    const int item = tile.index;
-    next = next_item(item + 1);
-    const int stage = kStages == 1 ? 0 : (kGeneral ? visited : item) % kStages;
+  // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
+  // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
+  for (int cursor = first_item * 2; (cursor >> 1) < items;) {
+    const int item = cursor >> 1;
+    const int stage = cursor & 1;
     if constexpr (kStages == 1) {
       __syncthreads();  // everyone is done with the single Q/dO buffer
       load_query_tile(item, 0);
@@ -198,16 +198,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // stage the prefetch overwrites.
     __syncthreads();
     if constexpr (kStages == 2) {
-      if (next.index < items) load_query_tile(next.index, stage ^ 1);
+      const int next = next_item(item + 1);
+      if (next < items) load_query_tile(next, stage ^ 1);
       cp_async_fence();
     }
-    const bool read_boolean_mask = tile.cover != MaskCover::kVisible;
+    const bool read_boolean_mask = mask_cover(item) != MaskCover::kVisible;
     const int64_t m0 = item_row0(item);
     if (tile_fully_visible(group_mask, m0, kBlockM, n0, kBlockN)) {
       accumulate_query_tile(item, stage, read_boolean_mask, cute::false_type{});
     } else {
       accumulate_query_tile(item, stage, read_boolean_mask, cute::true_type{});
     }
+    cursor = next_item(item + 1) * 2 + (kStages == 2 ? stage ^ 1 : 0);
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.

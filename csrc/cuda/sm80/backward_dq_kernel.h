@@ -58,14 +58,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // As in the forward: key tiles whose boolean-mask blocks are all hidden are skipped (general variant).
   auto mask_cover = [&](int n_block) {
     if constexpr (kGeneral) {
-      return make_slice_mask_blocks(p, cta.batch, cta.head).template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
+      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, cta.head);
+      return blocks.template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
     } else {
       return MaskCover::kVisible;
     }
   };
   auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
-  const MaskedTile first_tile = next_tile(key_tiles.begin);
-  if (first_tile.index >= key_tiles.end) {
+  const int first_tile = next_tile(key_tiles.begin);
+  if (first_tile >= key_tiles.end) {
     QTile::store_zeros(dq_out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
     return;
   }
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   // Two K/V buffers: the next visible tile loads while this one is computed.
   static_assert(kStages == 2, "the key-tile loop prefetches exactly one tile ahead");
-  load_key_tile(first_tile.index, 0);
+  load_key_tile(first_tile, 0);
   cp_async_fence();
 
   const int tid = threadIdx.x;
@@ -160,23 +161,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
-  // stage: tile parity in the common variant (tiles are consecutive), a counter of visited tiles otherwise.
-  int visited = 0;
-  for (MaskedTile tile = first_tile, next{}; tile.index < key_tiles.end; tile = next, ++visited) {
-    const int n_block = tile.index;
-    next = next_tile(n_block + 1);
-    const int stage = (kGeneral ? visited : n_block - key_tiles.begin) % kStages;
+  // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
+  // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
+  for (int cursor = first_tile * 2; (cursor >> 1) < key_tiles.end;) {
+    const int n_block = cursor >> 1;
+    const int stage = cursor & 1;
     cp_async_wait<0>();
     // Tile n_block is in smem for everyone, and everyone is done with the stage the prefetch overwrites.
     __syncthreads();
-    if (next.index < key_tiles.end) load_key_tile(next.index, stage ^ 1);
+    const int next = next_tile(n_block + 1);
+    if (next < key_tiles.end) load_key_tile(next, stage ^ 1);
     cp_async_fence();
-    const bool read_boolean_mask = tile.cover != MaskCover::kVisible;
+    const bool read_boolean_mask = mask_cover(n_block) != MaskCover::kVisible;
     if (n_block >= interior.begin && n_block < interior.end) {
       accumulate_key_tile(n_block, stage, read_boolean_mask, cute::false_type{});
     } else {
       accumulate_key_tile(n_block, stage, read_boolean_mask, cute::true_type{});
     }
+    cursor = next_tile(n_block + 1) * 2 + (stage ^ 1);
   }
 
   CUTE_UNROLL
