@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jax_flash import _mask_blocks
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
@@ -42,6 +43,11 @@ def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
 _LSE_DIMS = (0, 2, 1)  # lse [B, Hq, Sq] is sharded like q [B, Sq, Hq, D]'s dimensions 0, 2, 1
 
 
+def _dense_arguments(dense: DenseOperands) -> tuple[jax.Array, ...]:
+    """The dense operands in the targets' order, the mask followed by its block summary (``_mask_blocks``)."""
+    return dense.bias, dense.mask, _mask_blocks.block_summary(dense.mask), dense.dropout_seeds
+
+
 def lse_shape(q: jax.Array) -> tuple[int, ...]:
     """``[B, Hq, Sq]`` for ``q`` of shape ``[B, Sq, Hq, D]``."""
     batch, seqlen_q, heads_q, _ = q.shape
@@ -54,7 +60,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    o, lse = call(q, k, v, *masks, *dense, **_score_attributes(config))
+    o, lse = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
     return o, lse
 
 
@@ -77,6 +83,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks, *dense,
-                                   **_score_attributes(config), deterministic=bool(config.deterministic))
+    dq, dk, dv, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
+                                *_dense_arguments(dense), **_score_attributes(config),
+                                deterministic=bool(config.deterministic))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

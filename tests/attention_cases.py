@@ -75,6 +75,22 @@ def feature_kwargs(feature: str, case: Case) -> dict[str, Any]:
     raise ValueError(feature)
 
 
+def block_structured_mask(shape, seed: int, region: int = 32, blind_parts: bool = True) -> jax.Array:
+    """A boolean mask of ``shape`` ([..., Sq, Sk]) made of ``region x region`` squares, each hidden, visible, half
+    or almost all visible at random, so that its 64 x 64 blocks (jax_flash/_mask_blocks.py) take every summary
+    value. With ``blind_parts``, where the axes allow, the last 40 keys are padding and row 5 sees nothing."""
+    rng = np.random.default_rng(seed)
+    *lead, seqlen_q, seqlen_k = shape
+    density = rng.choice([0.0, 1.0, 0.5, 0.99], size=(*lead, -(-seqlen_q // region), -(-seqlen_k // region)))
+    density = np.repeat(np.repeat(density, region, axis=-2), region, axis=-1)[..., :seqlen_q, :seqlen_k]
+    mask = rng.random(shape) < density
+    if blind_parts and seqlen_k > 40:
+        mask[..., -40:] = False
+    if blind_parts and seqlen_q > 5:
+        mask[..., 5, :] = False
+    return jnp.asarray(mask)
+
+
 FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi", "alibi_batched_causal",
             "seqlens", "seqlens_causal", "segments", "everything")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _registration
+from jax_flash import _mask_blocks, _registration
 from attention_cases import Case
 
 
@@ -95,7 +95,7 @@ def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None):
     batch = q.shape[0]
     masks = masks or [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
     dense = dense or [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
-                      jnp.zeros((batch, 0), jnp.uint32)]
+                      jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((batch, 0), jnp.uint32)]
     call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
                             (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)))
     return call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
@@ -110,13 +110,26 @@ def test_raw_target_accepts_consistent_buffers():
                                atol=1e-6)
 
 
+def test_raw_target_accepts_a_mask_with_its_block_summary():
+    q, k, v = _inputs()
+    mask = jax.random.bernoulli(jax.random.key(5), 0.5, (2, 1, 1, 23))
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), mask, _mask_blocks.block_summary(mask),
+             jnp.zeros((2, 0), jnp.uint32)]
+    o, _ = _raw_forward(q, k, v, q.shape, (2, 4, 19), dense=dense)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, softmax_scale=1.0, mask=mask)),
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype",
-                                     "bias_shape", "bool_mask_dtype", "seeds_shape"])
+                                     "bias_shape", "bool_mask_dtype", "seeds_shape", "mask_blocks_shape",
+                                     "mask_blocks_dtype", "mask_blocks_without_mask", "mask_without_blocks"])
 def test_raw_target_rejects_inconsistent_buffers(problem):
     """Calling the custom call directly with bad buffers is an error, never a crash or a bad write."""
     q, k, v = _inputs()
     o_shape, lse_shape, masks, dense = q.shape, (2, 4, 19), None, None
-    absent_dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((2, 0), jnp.uint32)]
+    absent_dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
+                    jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((2, 0), jnp.uint32)]
+    bool_mask = jnp.ones((2, 1, 19, 23), bool)
     if problem == "o_shape":
         o_shape = (2, 19, 4, 8)
     elif problem == "lse_shape":
@@ -133,9 +146,17 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
     elif problem == "bias_shape":
         dense = [jnp.zeros((2, 3, 19, 23), jnp.float32)] + absent_dense[1:]
     elif problem == "bool_mask_dtype":
-        dense = [absent_dense[0], jnp.ones((1, 1, 19, 23), jnp.int32), absent_dense[2]]
+        dense = [absent_dense[0], jnp.ones((1, 1, 19, 23), jnp.int32), *absent_dense[2:]]
     elif problem == "seeds_shape":
-        dense = absent_dense[:2] + [jnp.zeros((2, 3), jnp.uint32)]
+        dense = absent_dense[:3] + [jnp.zeros((2, 3), jnp.uint32)]
+    elif problem == "mask_blocks_shape":  # one block per 64 x 64: [2, 1, 1, 1] is right, one key block too many
+        dense = [absent_dense[0], bool_mask, jnp.full((2, 1, 1, 2), 2, jnp.uint8), absent_dense[3]]
+    elif problem == "mask_blocks_dtype":
+        dense = [absent_dense[0], bool_mask, jnp.full((2, 1, 1, 1), 2, jnp.int32), absent_dense[3]]
+    elif problem == "mask_blocks_without_mask":
+        dense = [absent_dense[0], absent_dense[1], jnp.full((2, 1, 1, 1), 2, jnp.uint8), absent_dense[3]]
+    elif problem == "mask_without_blocks":
+        dense = [absent_dense[0], bool_mask, absent_dense[2], absent_dense[3]]
     with pytest.raises(Exception, match="jax_flash"):
         jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense))
 
@@ -208,7 +229,8 @@ def test_raw_target_rejects_overflowing_diagonal():
     call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
                             (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 19), jnp.float32)))
     masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
-    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((2, 0), jnp.uint32)]
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
+             jnp.zeros((2, 0), jnp.uint32)]
     with pytest.raises(Exception, match="2\\^40"):
         jax.block_until_ready(call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0),
                                    causal=False, align_to_sequence_end=True, diagonal_offset=np.int64(2 ** 62),

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from attention_cases import FEATURES, Case, assert_within_bound, feature_kwargs, grads, max_error, oracle, oracle_grads
+from attention_cases import (FEATURES, Case, assert_within_bound, block_structured_mask, feature_kwargs, grads,
+                              max_error, oracle, oracle_grads)
 
 
 def _gpus():
@@ -372,6 +373,79 @@ def test_mask_with_fully_masked_rows_and_tiles():
     d_o = jnp.ones_like(q)
     for g in grads(q, k, v, d_o, **_gpu_kwargs(kwargs)):
         assert np.all(np.isfinite(np.asarray(g.astype(jnp.float32))))
+
+
+# Masks with whole hidden / visible tiles, which the sm80 kernels skip or read no mask element of, through the
+# block summary (jax_flash/_mask_blocks.py). Tiles (rows x keys): forward d=64 128x128, d=128 128x64, d=256 128x32;
+# dQ 64x64 (64x32 at d=256); dK/dV 64x128 (64x64 and one Q/dO stage at d=256), over the GQA group's heads.
+MASK_BLOCK_SHAPES = {"per_head": (2, 4, 300, 520), "key_padding": (2, 1, 1, 520), "key_broadcast": (1, 4, 300, 1)}
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("shape", tuple(MASK_BLOCK_SHAPES), ids=str)
+def test_mask_block_skipping(head_dim, shape):
+    case = Case(batch=2, seqlen_q=300, seqlen_k=520, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim)
+    mask = block_structured_mask(MASK_BLOCK_SHAPES[shape], seed=head_dim, region=128)
+    if shape == "per_head":  # and a 128-row block of one head that sees nothing
+        mask = mask.at[1, 2, 128:256].set(False)
+    kwargs = dict(mask=mask, causal=shape == "per_head")
+    check_forward_on_gpu(case, **kwargs)
+    check_gradients_on_gpu(case, **kwargs)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **_gpu_kwargs(kwargs))
+    _, lse_ref = oracle(*case.inputs(), **kwargs)
+    blind = np.isneginf(lse_ref)
+    assert blind.any() or shape == "key_padding"  # row 5 sees nothing where the mask has a query axis
+    assert np.all(np.isneginf(np.asarray(lse)[blind]))
+    assert np.all(np.asarray(o.astype(jnp.float32)).transpose(0, 2, 1, 3)[blind] == 0)
+    for g in grads(q, k, v, jnp.ones_like(q), **_gpu_kwargs(kwargs)):
+        assert np.all(np.isfinite(np.asarray(g.astype(jnp.float32))))
+
+
+def _raw_calls_with_summary(q, k, v, mask, summary):
+    """The forward and backward custom calls with a given block summary (the public API always passes the
+    mask's own): (o, lse, dq, dk, dv) for d_o = 1."""
+    from jax_flash import _ffi_calls, _registration
+    from jax_flash._config import ScoreConfig
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    stats = jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), jnp.float32)
+    masks = [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), mask, summary, jnp.zeros((batch, 0), jnp.uint32)]
+    masks, dense = _on(GPUS[0], *masks), _on(GPUS[0], *dense)
+    attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=1.0 / np.sqrt(head_dim)))
+    forward = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats))
+    o, lse = forward(q, k, v, *masks, *dense, **attributes)
+    backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+    dq, dk, dv, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
+                                deterministic=False)
+    return o, lse, dq, dk, dv
+
+
+def test_kernels_follow_the_block_summary():
+    """The sm80 kernels act on the summary they are given: all blocks "hidden" skips every tile (o = 0,
+    lse = -inf, zero gradients although the mask shows everything); all "visible" reads no mask element (the
+    result is that of no mask although the mask hides half the keys)."""
+    case = Case(batch=2, seqlen_q=200, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16, seed=5)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    summary_shape = (2, 1, 4, 5)
+    shows_all = jnp.ones((2, 1, 200, 300), bool)
+    o, lse, *grads_hidden = _raw_calls_with_summary(q, k, v, shows_all, jnp.zeros(summary_shape, jnp.uint8))
+    assert np.all(np.asarray(o.astype(jnp.float32)) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    for g in grads_hidden:
+        assert np.all(np.asarray(g.astype(jnp.float32)) == 0)
+
+    hides_half = jnp.broadcast_to(jnp.arange(300) % 2 == 0, (2, 1, 200, 300))
+    o, lse, *_ = _raw_calls_with_summary(q, k, v, hides_half, jnp.full(summary_shape, 2, jnp.uint8))
+    o_unmasked, lse_unmasked = oracle(*case.inputs())
+    o_masked, _ = oracle(*case.inputs(), mask=hides_half)
+    o_xla, lse_xla = jax_flash.attention(*_on(CPU, *case.inputs()), return_lse=True, implementation="xla")
+    assert_within_bound("o (summary: all visible)", o, o_xla, o_unmasked, case.dtype)
+    assert_within_bound("lse (summary: all visible)", lse, lse_xla, lse_unmasked, jnp.float32)
+    assert max_error(o, o_masked) > 10 * max_error(o, o_unmasked)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)

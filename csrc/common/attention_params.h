@@ -50,6 +50,11 @@ struct AttentionParams {
   BroadcastStrides bias_strides;
   const bool* mask = nullptr;                // false masks the score out
   BroadcastStrides mask_strides;
+  // One byte per 64 x 64 block of the mask (common/mask_blocks.h): hidden / partial / visible, so the GPU
+  // kernels can skip what it hides. Strides in bytes, 0 along size-1 axes. nullptr with a mask: the kernels read
+  // every mask element and skip nothing.
+  const uint8_t* mask_blocks = nullptr;
+  BroadcastStrides mask_blocks_strides;
 
   // Dropout on the probabilities: element (b, h, i, j) is kept when philox_uniform(...) >= dropout_rate, with
   // Philox keyed by dropout_seeds[b] (see common/philox.h for the element -> counter mapping); kept

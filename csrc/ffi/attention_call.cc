@@ -68,6 +68,8 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   JF_RETURN_IF_ERROR(expect_broadcastable("mask", masks.mask, ffi::DataType::PRED, vmap_dims, broadcast_full,
                                           &has_mask, &p->mask_strides));
   JF_RETURN_IF_ERROR(
+      expect_mask_blocks(masks.mask_blocks, masks.mask, has_mask, vmap_dims, &p->mask_blocks_strides));
+  JF_RETURN_IF_ERROR(
       expect_optional("dropout_seeds", masks.dropout_seeds, ffi::DataType::U32, batch, 2, &has_dropout));
   if (!(a.dropout_rate >= 0.0f && a.dropout_rate < 1.0f)) return invalid("dropout_rate must be in [0, 1)");
   if (a.dropout_rate > 0.0f && !has_dropout) return invalid("dropout_rate > 0 needs dropout_seeds");
@@ -104,6 +106,7 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   for (int64_t d : vmap_dims) p->outer_batch *= d;
   p->bias = has_bias ? static_cast<const float*>(masks.bias.untyped_data()) : nullptr;
   p->mask = has_mask ? static_cast<const bool*>(masks.mask.untyped_data()) : nullptr;
+  p->mask_blocks = has_mask ? static_cast<const uint8_t*>(masks.mask_blocks.untyped_data()) : nullptr;
   p->dropout_rate = has_dropout ? a.dropout_rate : 0.0f;
   p->dropout_seeds = has_dropout ? static_cast<const uint32_t*>(masks.dropout_seeds.untyped_data()) : nullptr;
   p->softmax_scale = a.softmax_scale;

@@ -25,6 +25,7 @@ struct MaskOperands {
   ffi::AnyBuffer kv_segment_ids;  // [*batch, seqlen_k | 0] int32
   ffi::AnyBuffer bias;            // [*vmap, batch|1, heads_q|1, seqlen_q|1, seqlen_k|1] float32, or [*vmap, 1, 1, 1, 0]
   ffi::AnyBuffer mask;            // likewise, bool (true = visible)
+  ffi::AnyBuffer mask_blocks;     // the mask's block summary (common/mask_blocks.h) uint8, or [*vmap, 1, 1, 1, 0]
   ffi::AnyBuffer dropout_seeds;   // [*batch, 2 | 0] uint32
 };
 
@@ -78,6 +79,7 @@ auto bind_mask_operands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // kv_segment_ids
       .template Arg<ffi::AnyBuffer>()            // bias
       .template Arg<ffi::AnyBuffer>()            // mask
+      .template Arg<ffi::AnyBuffer>()            // mask_blocks
       .template Arg<ffi::AnyBuffer>();           // dropout_seeds
 }
 

@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include "../common/mask_blocks.h"
+
 namespace jax_flash::ffi_boundary {
 
 std::string format_dims(ffi::Span<const int64_t> dims) {
@@ -67,6 +69,30 @@ std::optional<ffi::Error> expect_broadcastable(const char* name, const ffi::AnyB
             << " followed by four axes broadcastable to "
             << format_dims(ffi::Span<const int64_t>(full, 4)) << ", type code " << static_cast<int>(type);
     return ffi::Error::InvalidArgument(message.str());
+  }
+  *strides = {stride, axis_strides[0], axis_strides[1], axis_strides[2], axis_strides[3]};
+  return std::nullopt;
+}
+
+std::optional<ffi::Error> expect_mask_blocks(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& mask,
+                                             bool mask_present, const std::vector<int64_t>& vmap_dims,
+                                             BroadcastStrides* strides) {
+  if (!mask_present) return expect_buffer("mask_blocks", buffer, ffi::DataType::U8, vmap_dims, {1, 1, 1, 0});
+  const auto mask_dims = mask.dimensions();
+  const size_t lead = mask_dims.size() - 2;
+  const int64_t mask_batch = mask_dims[lead - 2], mask_heads = mask_dims[lead - 1];
+  const int64_t query_blocks = mask_blocks_along(mask_dims[lead]);
+  const int64_t key_blocks = mask_blocks_along(mask_dims[lead + 1]);
+  if (auto error = expect_buffer("mask_blocks", buffer, ffi::DataType::U8, vmap_dims,
+                                 {mask_batch, mask_heads, query_blocks, key_blocks})) {
+    return error;
+  }
+  const int64_t sizes[4] = {mask_batch, mask_heads, query_blocks, key_blocks};
+  int64_t axis_strides[4];
+  int64_t stride = 1;
+  for (int axis = 3; axis >= 0; --axis) {
+    axis_strides[axis] = sizes[axis] == 1 ? 0 : stride;
+    stride *= sizes[axis];
   }
   *strides = {stride, axis_strides[0], axis_strides[1], axis_strides[2], axis_strides[3]};
   return std::nullopt;

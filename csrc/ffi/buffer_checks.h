@@ -39,4 +39,11 @@ std::optional<ffi::Error> expect_broadcastable(const char* name, const ffi::AnyB
                                                const int64_t (&full)[4], bool* present,
                                                BroadcastStrides* strides);
 
+// The block summary of a dense mask (common/mask_blocks.h): uint8, the mask's dims with its last two counted in
+// blocks (size-1 axes stay 1), or the absent placeholder [*vmap, 1, 1, 1, 0] exactly when the mask is absent.
+// Fills the byte strides (0 along size-1 axes).
+std::optional<ffi::Error> expect_mask_blocks(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& mask,
+                                             bool mask_present, const std::vector<int64_t>& vmap_dims,
+                                             BroadcastStrides* strides);
+
 }  // namespace jax_flash::ffi_boundary

@@ -6,15 +6,18 @@
 namespace jax_flash::ffi_boundary {
 namespace {
 
-ffi::Error forward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer alibi_slopes,
-                       ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer q_segment_ids,
-                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                       float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
-                       int64_t diagonal_offset, int64_t window_left, int64_t window_right, float dropout_rate, bool allow_tf32) {
+ffi::Error forward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
+                       ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer mask, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer dropout_seeds,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale,
+                       float softcap, bool causal, bool align_to_sequence_end, int64_t diagonal_offset,
+                       int64_t window_left, int64_t window_right, float dropout_rate, bool allow_tf32) {
   AttentionParams params;
   ffi::Error error = decode_forward(
-      q, k, v, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, dropout_seeds}, *o, *lse,
+      q, k, v,
+      {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, mask_blocks, dropout_seeds},
+      *o, *lse,
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
        dropout_rate, allow_tf32}, &params);
   if (error.failure()) return error;
@@ -22,19 +25,20 @@ ffi::Error forward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error backward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                        ffi::AnyBuffer d_o, ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
-                        ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer q_segment_ids,
-                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                         ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> softmax_d,
-                        ffi::Result<ffi::AnyBuffer> dbias,
+ffi::Error backward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer d_lse,
+                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_seqlens, ffi::AnyBuffer kv_seqlens,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer bias,
+                        ffi::AnyBuffer mask, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer dropout_seeds,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dbias,
                         float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
-                        int64_t diagonal_offset, int64_t window_left, int64_t window_right, float dropout_rate, bool allow_tf32, bool deterministic) {
+                        int64_t diagonal_offset, int64_t window_left, int64_t window_right, float dropout_rate,
+                        bool allow_tf32, bool deterministic) {
   AttentionBackwardParams params;
   ffi::Error error = decode_backward(
-      {q, k, v, o, lse, d_o, d_lse}, {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, dropout_seeds},
+      {q, k, v, o, lse, d_o, d_lse},
+      {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, mask_blocks, dropout_seeds},
       {*dq, *dk, *dv, *softmax_d, *dbias},
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
        dropout_rate, allow_tf32},

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../../common/mask_blocks.h"
 #include "../../common/score_pipeline.h"
 
 namespace jax_flash::cuda {
@@ -66,6 +67,15 @@ JF_HOST_DEVICE bool tile_fully_visible(const SliceMask& mask, int64_t row_begin,
   if (mask.q_segment_ids != nullptr) return false;
   if (row_begin + rows > mask.valid_q) return false;
   return mask.key_begin(row_begin + rows - 1) <= key_begin && key_begin + keys <= mask.key_end(row_begin);
+}
+
+// The first tile in [tile, end) that the boolean mask does not hide entirely (end if none); cover(t) is tile t's
+// MaskCover (common/mask_blocks.h). Kernels walk their tiles with it, so hidden tiles are neither loaded nor
+// computed: they would only contribute -inf scores (no probability, no gradient).
+template <class Cover>
+JF_HOST_DEVICE int next_unhidden_tile(int tile, int end, Cover const& cover) {
+  while (tile < end && cover(tile) == MaskCover::kHidden) ++tile;
+  return tile;
 }
 
 }  // namespace jax_flash::cuda

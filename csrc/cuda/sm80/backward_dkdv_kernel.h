@@ -1,6 +1,7 @@
 // Backward, dK/dV pass: one CTA owns kBlockN keys of one KV head and keeps their dK and dV in registers while
-// it streams every query tile that can see them, for every query head of the GQA group (so dK/dV are summed
-// over the group without per-query-head copies, in a fixed order). Per query tile:
+// it streams every query tile that can see them (by position, and by the boolean mask's block summary), for
+// every query head of the GQA group (so dK/dV are summed over the group without per-query-head copies, in a
+// fixed order). Per query tile:
 //   S = Q K^T, dP = dO V^T          (scores recomputed; warp grid 2x4)
 //   P = exp(S - lse), dS = P (dP - D)   (general variant: dropout as in row_stats.h)
 //   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
@@ -56,7 +57,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const SliceMask group_mask = make_slice_mask(p, cta.batch, cta.head * group);
   const TileSpan query_tiles = query_tiles_for_keys(group_mask, n0, kBlockN, kBlockM);
   const int items = static_cast<int>(group) * query_tiles.size();  // (query head, query tile) pairs
-  if (items == 0) {
+  auto item_head = [&](int item) { return cta.head * group + item / query_tiles.size(); };
+  auto item_row0 = [&](int item) { return int64_t(query_tiles.begin + item % query_tiles.size()) * kBlockM; };
+  // How the boolean mask's block summary covers an item's tile (general variant only); items it hides entirely
+  // are skipped, so a KV head whose keys no query head sees (a padded tail) loads and computes nothing.
+  auto mask_cover = [&](int item) {
+    if constexpr (kGeneral) {
+      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, item_head(item));
+      return blocks.template cover<kBlockM, kBlockN>(item_row0(item), n0);
+    } else {
+      return MaskCover::kVisible;
+    }
+  };
+  auto next_item = [&](int item) { return next_unhidden_tile(item, items, mask_cover); };
+  const int first_item = next_item(0);
+  if (first_item >= items) {
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -70,8 +85,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                vectorized);
   cp_async_fence();
   const int valid_q = static_cast<int>(group_mask.valid_q);
-  auto item_head = [&](int item) { return cta.head * group + item / query_tiles.size(); };
-  auto item_row0 = [&](int item) { return int64_t(query_tiles.begin + item % query_tiles.size()) * kBlockM; };
   auto load_query_tile = [&](int item, int stage) {
     const int64_t m0 = item_row0(item);
     const int valid = static_cast<int>(min(int64_t(kBlockM), valid_q - m0));
@@ -81,9 +94,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     QTile::load(smem_do + stage * Traits::kQElems, static_cast<const T*>(p.d_o) + offset, q_shape.row_stride(),
                 valid, p.head_dim, vectorized);
   };
-  CUTE_UNROLL
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < items) load_query_tile(s, s);
+  // One Q/dO buffer (loaded at the top of each step) or two (the next item's loads overlap this one's math).
+  static_assert(kStages == 1 || kStages == 2, "the item loop prefetches at most one item ahead");
+  if constexpr (kStages == 2) {
+    load_query_tile(first_item, 0);
     cp_async_fence();
   }
 
@@ -134,7 +148,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
   // One query tile against this CTA's keys; instantiated with and without the per-element mask.
-  auto accumulate_query_tile = [&](int item, int stage, auto check_mask) __attribute__((always_inline)) {
+  auto accumulate_query_tile = [&](int item, int stage, bool read_boolean_mask, auto check_mask)
+                                   __attribute__((always_inline)) {
     const int64_t head = item_head(item);
     const int64_t m0 = item_row0(item);
     RowStats<kRowsPerThread> stats;
@@ -151,7 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     gemm_smem_smem(mma_sdp, acc_dp, frag_do, frag_v, copy_sdp_a.get_thread_slice(tid).partition_S(sdO(stage)),
                    smem_v_part, copy_sdp_a, copy_sdp_b);
 
-    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, head);
+    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, head, read_boolean_mask);
     backward_scores<kGeneral, decltype(check_mask)::value>(scorer, p, keep, acc_s, acc_dp, score_coords, stats, m0,
                                                             n0, to_log2);
 
@@ -168,27 +183,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   };
 
-  for (int item = 0; item < items; ++item) {
-    const int stage = item % kStages;
+  // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
+  // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
+  for (int cursor = first_item * 2; (cursor >> 1) < items;) {
+    const int item = cursor >> 1;
+    const int stage = cursor & 1;
     if constexpr (kStages == 1) {
       __syncthreads();  // everyone is done with the single Q/dO buffer
       load_query_tile(item, 0);
       cp_async_fence();
     }
-    cp_async_wait<(kStages > 1 ? kStages - 2 : 0)>();
+    cp_async_wait<0>();
     // This item's Q/dO are in smem for everyone; everyone is done with the previous item's P/dS and with the
     // stage the prefetch overwrites.
     __syncthreads();
-    if constexpr (kStages > 1) {
-      if (item + kStages - 1 < items) load_query_tile(item + kStages - 1, (item + kStages - 1) % kStages);
+    if constexpr (kStages == 2) {
+      const int next = next_item(item + 1);
+      if (next < items) load_query_tile(next, stage ^ 1);
       cp_async_fence();
     }
+    const bool read_boolean_mask = mask_cover(item) != MaskCover::kVisible;
     const int64_t m0 = item_row0(item);
     if (tile_fully_visible(group_mask, m0, kBlockM, n0, kBlockN)) {
-      accumulate_query_tile(item, stage, cute::false_type{});
+      accumulate_query_tile(item, stage, read_boolean_mask, cute::false_type{});
     } else {
-      accumulate_query_tile(item, stage, cute::true_type{});
+      accumulate_query_tile(item, stage, read_boolean_mask, cute::true_type{});
     }
+    cursor = next_item(item + 1) * 2 + (kStages == 2 ? stage ^ 1 : 0);
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.

@@ -1,8 +1,8 @@
 // Backward, dQ pass: one CTA owns kBlockM query rows of one head (the forward's shape) and streams the visible
-// key tiles, recomputing S and dP and keeping dQ in registers, so dQ is formed in one fixed order with no
-// atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this pass plus the dK/dV pass
-// ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the dK/dV pass
-// (228 vs 204 TFLOP/s), and it is deterministic for free. The general variant also hands each dS to dbias
+// key tiles (picked as in the forward), recomputing S and dP and keeping dQ in registers, so dQ is formed in one
+// fixed order with no atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this
+// pass plus the dK/dV pass ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the
+// dK/dV pass (228 vs 204 TFLOP/s), and it is deterministic for free. The general variant also hands each dS to dbias
 // (DbiasMode; backward_launch.h decides).
 #pragma once
 
@@ -55,7 +55,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float* const dbias_slice = kGeneral && dbias_mode != DbiasMode::kNone ? dbias_slice_of(p, cta.batch, cta.head) : nullptr;
 
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
-  if (key_tiles.empty()) {
+  // As in the forward: key tiles whose boolean-mask blocks are all hidden are skipped (general variant).
+  auto mask_cover = [&](int n_block) {
+    if constexpr (kGeneral) {
+      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, cta.head);
+      return blocks.template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
+    } else {
+      return MaskCover::kVisible;
+    }
+  };
+  auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
+  const int first_tile = next_tile(key_tiles.begin);
+  if (first_tile >= key_tiles.end) {
     QTile::store_zeros(dq_out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
     return;
   }
@@ -77,11 +88,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     KVTile::load(smem_v + stage * Traits::kKVElems, v_head + offset, kv_shape.row_stride(), valid, p.head_dim,
                  vectorized);
   };
-  CUTE_UNROLL
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (key_tiles.begin + s < key_tiles.end) load_key_tile(key_tiles.begin + s, s);
-    cp_async_fence();
-  }
+  // Two K/V buffers: the next visible tile loads while this one is computed.
+  static_assert(kStages == 2, "the key-tile loop prefetches exactly one tile ahead");
+  load_key_tile(first_tile, 0);
+  cp_async_fence();
 
   const int tid = threadIdx.x;
   typename Traits::TiledMma mma;
@@ -119,7 +129,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   stats.load(p, cta.batch, cta.head, m0, coords);
   const float to_log2 = ScoreTile<kGeneral>::to_log2(p);
 
-  auto accumulate_key_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
+  auto accumulate_key_tile = [&](int n_block, int stage, bool read_boolean_mask, auto check_mask)
+                                 __attribute__((always_inline)) {
     const int64_t n0 = int64_t(n_block) * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -129,7 +140,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     clear(acc_dp);
     gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_b.partition_S(sK(stage)), copy_a, copy_b);
     gemm_smem_smem(mma, acc_dp, frag_do, frag_v, smem_do_part, thr_copy_b.partition_S(sV(stage)), copy_a, copy_b);
-    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, cta.head);
+    const auto scorer = ScoreTile<kGeneral>::make(p, cta.batch, cta.head, read_boolean_mask);
     if constexpr (kGeneral) {
       backward_scores<kGeneral, decltype(check_mask)::value>(
           scorer, p, keep, acc_s, acc_dp, coords, stats, m0, n0, to_log2,
@@ -150,17 +161,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
-  for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
-    const int step = n_block - key_tiles.begin;
-    cp_async_wait<kStages - 2>();
+  // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
+  // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
+  for (int cursor = first_tile * 2; (cursor >> 1) < key_tiles.end;) {
+    const int n_block = cursor >> 1;
+    const int stage = cursor & 1;
+    cp_async_wait<0>();
+    // Tile n_block is in smem for everyone, and everyone is done with the stage the prefetch overwrites.
     __syncthreads();
-    if (n_block + kStages - 1 < key_tiles.end) load_key_tile(n_block + kStages - 1, (step + kStages - 1) % kStages);
+    const int next = next_tile(n_block + 1);
+    if (next < key_tiles.end) load_key_tile(next, stage ^ 1);
     cp_async_fence();
+    const bool read_boolean_mask = mask_cover(n_block) != MaskCover::kVisible;
     if (n_block >= interior.begin && n_block < interior.end) {
-      accumulate_key_tile(n_block, step % kStages, cute::false_type{});
+      accumulate_key_tile(n_block, stage, read_boolean_mask, cute::false_type{});
     } else {
-      accumulate_key_tile(n_block, step % kStages, cute::true_type{});
+      accumulate_key_tile(n_block, stage, read_boolean_mask, cute::true_type{});
     }
+    cursor = next_tile(n_block + 1) * 2 + (stage ^ 1);
   }
 
   CUTE_UNROLL

@@ -1,7 +1,8 @@
 // FlashAttention-2-style forward: one CTA owns kBlockM query rows of one (batch, head) and streams the key
-// tiles its mask leaves visible through a kStages-deep cp.async pipeline. Per tile: S = Q K^T (both from
-// swizzled smem via ldmatrix), the score pipeline, an online-softmax update, and O += P V with P converted
-// to 16-bit in registers and V read by ldmatrix.trans.
+// tiles its masks leave visible (position masks by range, the boolean mask by its block summary) through a
+// kStages-deep cp.async pipeline. Per tile: S = Q K^T (both from swizzled smem via ldmatrix), the score
+// pipeline, an online-softmax update, and O += P V with P converted to 16-bit in registers and V read by
+// ldmatrix.trans.
 #pragma once
 
 #include <cmath>
@@ -53,7 +54,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
   float* lse_out = p.lse + row_stat_offset(p, cta.batch, cta.head, m0);
 
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
-  if (key_tiles.empty()) {
+  // How the boolean mask's block summary covers key tile n_block (general variant only; everything is visible
+  // in the common one). Rebuilt from the kernel parameters at each use rather than held in registers.
+  auto mask_cover = [&](int n_block) {
+    if constexpr (kGeneral) {
+      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, cta.head);
+      return blocks.template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
+    } else {
+      return MaskCover::kVisible;
+    }
+  };
+  auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
+  const int first_tile = next_tile(key_tiles.begin);
+  if (first_tile >= key_tiles.end) {  // no visible key: o = 0, lse = -inf
     QTile::store_zeros(out, q_shape.row_stride(), rows_in_bounds, p.head_dim);
     for (int r = threadIdx.x; r < rows_in_bounds; r += kThreads) lse_out[r] = -INFINITY;
     return;
@@ -76,11 +89,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
     KVTile::load(smem_v + stage * Traits::kKVElems, v_head + offset, kv_shape.row_stride(), valid, p.head_dim,
                  vectorized);
   };
-  CUTE_UNROLL
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (key_tiles.begin + s < key_tiles.end) load_key_tile(key_tiles.begin + s, s);
-    cp_async_fence();
-  }
+  // Two K/V buffers: the next visible tile loads while this one is computed.
+  static_assert(kStages == 2, "the key-tile loop prefetches exactly one tile ahead");
+  load_key_tile(first_tile, 0);
+  cp_async_fence();
 
   typename Traits::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(threadIdx.x);
@@ -113,7 +125,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
 
   // One key tile: S = Q K^T, scores, online softmax, O += P V. Instantiated with and without the per-element
   // mask so that interior tiles carry none of its registers or instructions.
-  auto attend_to_tile = [&](int n_block, int stage, auto check_mask) __attribute__((always_inline)) {
+  auto attend_to_tile = [&](int n_block, int stage, bool read_boolean_mask, auto check_mask)
+                            __attribute__((always_inline)) {
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     // Dropout keep bits first, while the score accumulators are not yet live (Philox needs a dozen registers).
     [[maybe_unused]] KeepBits<decltype(size(acc_s))::value> keep;
@@ -123,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
     }
     clear(acc_s);
     gemm_smem_smem(mma, acc_s, frag_q, frag_k, smem_q_part, thr_copy_k.partition_S(sK(stage)), copy_q, copy_k);
-    ScoreTile<kGeneral>::make(p, cta.batch, cta.head)
+    ScoreTile<kGeneral>::make(p, cta.batch, cta.head, read_boolean_mask)
         .apply<decltype(check_mask)::value>(acc_s, coords, m0, int64_t(n_block) * kBlockN);
     softmax.update(as_rows_cols(acc_s), as_rows_cols(acc_o), to_log2);
     if constexpr (kGeneral) {
@@ -140,18 +153,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
   };
 
   const TileSpan interior = fully_visible_key_tiles(mask, m0, kBlockM, kBlockN);
-  for (int n_block = key_tiles.begin; n_block < key_tiles.end; ++n_block) {
-    const int step = n_block - key_tiles.begin;
-    cp_async_wait<kStages - 2>();
+  // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
+  // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
+  for (int cursor = first_tile * 2; (cursor >> 1) < key_tiles.end;) {
+    const int n_block = cursor >> 1;
+    const int stage = cursor & 1;
+    cp_async_wait<0>();
     // Tile n_block is in smem for everyone, and everyone is done with the stage the prefetch overwrites.
     __syncthreads();
-    if (n_block + kStages - 1 < key_tiles.end) load_key_tile(n_block + kStages - 1, (step + kStages - 1) % kStages);
+    const int next = next_tile(n_block + 1);
+    if (next < key_tiles.end) load_key_tile(next, stage ^ 1);
     cp_async_fence();
+    const bool read_boolean_mask = mask_cover(n_block) != MaskCover::kVisible;
     if (n_block >= interior.begin && n_block < interior.end) {
-      attend_to_tile(n_block, step % kStages, cute::false_type{});
+      attend_to_tile(n_block, stage, read_boolean_mask, cute::false_type{});
     } else {
-      attend_to_tile(n_block, step % kStages, cute::true_type{});
+      attend_to_tile(n_block, stage, read_boolean_mask, cute::true_type{});
     }
+    cursor = next_tile(n_block + 1) * 2 + (stage ^ 1);
   }
 
   // Epilogue: normalise, stage O in smem (Q's buffer) for 16-byte row stores, write lse.

@@ -49,8 +49,13 @@ struct ScoreTile {
   float softmax_scale;
   float softcap;
 
-  __device__ static ScoreTile make(const AttentionParams& p, int64_t batch, int64_t head) {
-    return {make_slice_mask(p, batch, head), p.softmax_scale, p.softcap};
+  // read_boolean_mask = false drops the per-element mask reads, for a tile whose mask blocks are all visible
+  // (common/mask_blocks.h).
+  __device__ static ScoreTile make(const AttentionParams& p, int64_t batch, int64_t head,
+                                   bool read_boolean_mask = true) {
+    ScoreTile tile{make_slice_mask(p, batch, head), p.softmax_scale, p.softcap};
+    if (!read_boolean_mask) tile.mask.mask = nullptr;
+    return tile;
   }
   // Multiplier from the tile's units (after apply) to log2-domain logits.
   __device__ static float to_log2(const AttentionParams& p) {
@@ -60,7 +65,8 @@ struct ScoreTile {
   // Raw dots -> final scores in place for the tile at (row0, col0); invisible entries become -inf.
   // Columns are handled as this thread's first column plus a compile-time offset, so the per-element mask test
   // compares an immediate against two per-row limits.
-  // With kGeneral the boolean mask is tested on every tile (it has no tile structure), and
+  // With kGeneral the boolean mask is tested on every tile the kernel did not find fully visible in its block
+  // summary, and
   // on_visible(r, c, row, col, dscore_ddot) sees each visible element once its score is final, with the softcap
   // chain-rule factor; on_hidden(r, c) sees the others, after they became -inf.
   template <bool kCheckMask, class Acc, class Coords, class OnVisible = IgnoreVisible, class OnHidden = IgnoreHidden>

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/mask_blocks.h"
 #include "../../common/philox.h"
 #include "../../common/score_pipeline.h"
 #include "../launch.h"
@@ -50,7 +51,8 @@ struct Case {
   bool alibi = false, seqlens = false, segments = false, deterministic = false;
   float input_scale = 1.0f;  // larger logits exercise softcap and the running-max rescale
   int bias = 0;              // 0: none, 1: full [B, Hq, Sq, Sk], 2: [1, Hq, 1, Sk] (broadcast: dbias sums)
-  bool dense_mask = false;   // random boolean mask [B, 1, Sq, Sk] with a fully masked row
+  bool dense_mask = false;   // random boolean mask [B, 1, Sq, Sk] with a fully masked row, and its block summary
+  bool mask_blocks = false;  // dense_mask with whole regions hidden or visible, padded key tails, a blind row block
   float dropout_rate = 0.0f;
 };
 
@@ -253,6 +255,59 @@ bool report_lse(const std::vector<double>& ref, const std::vector<float>& got) {
   return ok;
 }
 
+// A [B, 1, Sq, Sk] mask, 4 in 5 elements visible at random. With c.mask_blocks, regions of 256 rows x 128 keys
+// (whole tiles of every kernel) are in turn hidden, visible and random; batch row b hides its last b * Sk / 2B keys
+// (key padding); the last batch row's rows 64..127 see nothing.
+std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng) {
+  const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k;
+  std::vector<uint8_t> mask(B * Sq * Sk);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Sq; ++i) {
+      for (int64_t j = 0; j < Sk; ++j) {
+        uint8_t& m = mask[(b * Sq + i) * Sk + j];
+        const int64_t region = (i / 256 + j / 128) % 3;
+        if (c.mask_blocks && (j >= Sk - b * Sk / (2 * B) || (b == B - 1 && i / 64 == 1) || region == 0)) {
+          m = 0;
+        } else if (c.mask_blocks && region == 1) {
+          m = 1;
+        } else {
+          m = rng() % 5 != 0;
+        }
+      }
+    }
+  }
+  return mask;
+}
+
+// The block summary (common/mask_blocks.h) of a [B, 1, Sq, Sk] mask: [B, 1, blocks(Sq), blocks(Sk)].
+std::vector<uint8_t> mask_block_summary(const std::vector<uint8_t>& mask, int64_t B, int64_t Sq, int64_t Sk) {
+  if (mask.empty()) return {};
+  const int64_t nq = jax_flash::mask_blocks_along(Sq), nk = jax_flash::mask_blocks_along(Sk);
+  constexpr int64_t kBlock = jax_flash::kMaskBlock;
+  std::vector<uint8_t> summary(B * nq * nk);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t qb = 0; qb < nq; ++qb) {
+      for (int64_t kb = 0; kb < nk; ++kb) {
+        bool any = false, all = true;
+        for (int64_t i = qb * kBlock; i < std::min(Sq, (qb + 1) * kBlock); ++i) {
+          for (int64_t j = kb * kBlock; j < std::min(Sk, (kb + 1) * kBlock); ++j) {
+            any |= mask[(b * Sq + i) * Sk + j] != 0;
+            all &= mask[(b * Sq + i) * Sk + j] != 0;
+          }
+        }
+        summary[(b * nq + qb) * nk + kb] = uint8_t(any) + uint8_t(all);
+      }
+    }
+  }
+  return summary;
+}
+
+// Byte strides of that summary, 0 along its size-1 axes (as csrc/ffi passes them).
+jax_flash::BroadcastStrides summary_strides(int64_t B, int64_t Sq, int64_t Sk) {
+  const int64_t nq = jax_flash::mask_blocks_along(Sq), nk = jax_flash::mask_blocks_along(Sk);
+  return {B * nq * nk, B == 1 ? 0 : nq * nk, 0, nq == 1 ? 0 : nk, nk == 1 ? 0 : 1};
+}
+
 bool run_case(const Case& c, std::mt19937& rng) {
   const ElementType t = c.type;
   const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, Hq = c.heads_q, Hkv = c.heads_kv, D = c.head_dim;
@@ -267,9 +322,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
   const size_t bias_elements = c.bias ? bias_strides.outer : 0;
   std::vector<float> bias(bias_elements);
   for (auto& x : bias) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-  std::vector<uint8_t> dense_mask(c.dense_mask ? B * Sq * Sk : 0);
-  for (size_t e = 0; e < dense_mask.size(); ++e) dense_mask[e] = rng() % 5 != 0;
+  std::vector<uint8_t> dense_mask = c.dense_mask ? random_mask(c, rng) : std::vector<uint8_t>();
   if (c.dense_mask && Sq > 3) std::fill(dense_mask.begin() + 3 * Sk, dense_mask.begin() + 4 * Sk, 0);  // row 3 of batch 0
+  const std::vector<uint8_t> mask_summary = mask_block_summary(dense_mask, B, Sq, Sk);
   std::vector<uint32_t> seeds(2 * B);
   for (auto& x : seeds) x = static_cast<uint32_t>(rng());
   HostTensor q = random_tensor(nq, t, c.input_scale, rng), k = random_tensor(nk, t, c.input_scale, rng),
@@ -337,6 +392,8 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.kv_segment_ids = c.segments ? to_device(kv_seg) : nullptr;
   p.bias = c.bias ? to_device(bias) : nullptr;
   p.mask = c.dense_mask ? reinterpret_cast<const bool*>(to_device(dense_mask)) : nullptr;
+  p.mask_blocks = c.dense_mask ? to_device(mask_summary) : nullptr;
+  p.mask_blocks_strides = summary_strides(B, Sq, Sk);
   p.dropout_seeds = c.dropout_rate > 0.0f ? to_device(seeds) : nullptr;
   p.q = to_device(q.bits);
   p.k = to_device(k.bits);
@@ -398,7 +455,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
                           static_cast<const void*>(p.q_seqlens), static_cast<const void*>(p.kv_seqlens),
                           static_cast<const void*>(p.q_segment_ids), static_cast<const void*>(p.kv_segment_ids),
                           static_cast<const void*>(p.bias), static_cast<const void*>(p.mask),
-                          static_cast<const void*>(p.dropout_seeds)}) {
+                          static_cast<const void*>(p.mask_blocks), static_cast<const void*>(p.dropout_seeds)}) {
     if (ptr) CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
   }
   return ok;
@@ -425,7 +482,19 @@ std::vector<Case> case_grid(bool small) {
   add({.name = "broadcast bias deterministic fp16", .batch = 2, .seqlen_q = 70, .seqlen_k = 90, .heads_q = 4,
        .heads_kv = 2, .type = ElementType::kFloat16, .deterministic = true, .bias = 2, .dense_mask = true,
        .dropout_rate = 0.1f});
+  add({.name = "mask blocks (skipped tiles) GQA", .batch = 2, .seqlen_q = 300, .seqlen_k = 333, .heads_q = 4,
+       .heads_kv = 2, .dense_mask = true, .mask_blocks = true});
   if (small) return cases;
+  add({.name = "mask blocks d=128 causal fp16", .batch = 3, .seqlen_q = 520, .seqlen_k = 700, .heads_q = 2,
+       .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16, .causal = true, .dense_mask = true,
+       .mask_blocks = true});
+  add({.name = "mask blocks d=256 deterministic", .batch = 2, .seqlen_q = 300, .seqlen_k = 600, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 256, .deterministic = true, .dense_mask = true, .mask_blocks = true});
+  add({.name = "mask blocks d=32 + bias + dropout", .batch = 2, .seqlen_q = 1000, .seqlen_k = 17, .heads_q = 2,
+       .heads_kv = 2, .head_dim = 32, .bias = 1, .dense_mask = true, .mask_blocks = true, .dropout_rate = 0.1f});
+  add({.name = "mask blocks d=96 window", .batch = 2, .seqlen_q = 640, .seqlen_k = 1000, .heads_q = 3,
+       .heads_kv = 1, .head_dim = 96, .window_left = 300, .window_right = 50, .dense_mask = true,
+       .mask_blocks = true});
   add({.name = "d=128 bias + mask + dropout + softcap", .batch = 2, .seqlen_q = 300, .seqlen_k = 257, .heads_q = 4,
        .heads_kv = 1, .head_dim = 128, .softcap = 5.0f, .bias = 1, .dense_mask = true, .dropout_rate = 0.3f});
   add({.name = "d=128 broadcast bias deterministic", .batch = 3, .seqlen_q = 200, .seqlen_k = 190, .heads_q = 2,
@@ -507,9 +576,12 @@ bool sm90_backward_applies(const Case& c) {
          c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
-// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16.
+// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
+// with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
+// FLOPs are counted as without it).
 void bench() {
-  for (bool causal : {false, true}) {
+  for (int row = 0; row < 3; ++row) {
+    const bool causal = row == 1, padding_mask = row == 2;
     const int64_t B = 4, S = 4096, H = 16, D = 128;
     const size_t n = B * S * H * D;
     AttentionBackwardParams p{};
@@ -533,6 +605,16 @@ void bench() {
     p.lse = poisoned<float>(B * H * S);
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
+    std::vector<uint8_t> mask;
+    for (int64_t b = 0; padding_mask && b < B; ++b) {
+      for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
+    }
+    if (padding_mask) {
+      p.mask = reinterpret_cast<const bool*>(to_device(mask));
+      p.mask_strides = {B * S, S, 0, 0, 1};
+      p.mask_blocks = to_device(mask_block_summary(mask, B, 1, S));
+      p.mask_blocks_strides = summary_strides(B, 1, S);
+    }
     const double flops = 4.0 * B * H * S * S * D * (causal ? 0.5 : 1.0);
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
@@ -554,9 +636,9 @@ void bench() {
     const float bwd_deterministic = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = false;
     CHECK_CUDA(cudaGetLastError());
-    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s, "
-                "bwd deterministic %.3f ms %.1f TFLOP/s\n",
-                causal, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_deterministic,
+    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
+                "%.1f TFLOP/s, bwd deterministic %.3f ms %.1f TFLOP/s\n",
+                causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_deterministic,
                 2.5 * flops / bwd_deterministic * 1e-9);
   }
 }

@@ -1,0 +1,80 @@
+// Block summary of the boolean mask: one byte per kMaskBlock x kMaskBlock block of every (batch, head) slice,
+// saying whether the mask hides the whole block, part of it, or nothing. The GPU kernels read it to skip the key
+// tiles a mask hides entirely (a key-padding mask hides the tail of every short sequence) and to drop the
+// per-element mask reads of tiles it hides nothing of. jax_flash/_mask_blocks.py computes it next to the mask
+// (MASK_BLOCK there is kMaskBlock here); csrc/ffi checks its shape. The CPU kernels ignore it.
+//
+// Layout: like the mask, with its last two axes counted in blocks: [*vmap, B|1, Hq|1, blocks(Sq)|1, blocks(Sk)|1],
+// where an axis the mask broadcasts (size 1) stays size 1 and is read with stride 0. A block at the end of a
+// sequence summarises only its in-range elements.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_params.h"
+#include "score_pipeline.h"
+
+namespace jax_flash {
+
+inline constexpr int kMaskBlock = 64;
+
+// A summary byte, and what MaskBlocks::cover says about a tile.
+enum class MaskCover : uint8_t { kHidden = 0, kPartial = 1, kVisible = 2 };
+
+// Blocks along a mask axis of `size` elements (a broadcast axis of size 1 stays one block).
+JF_HOST_DEVICE int64_t mask_blocks_along(int64_t size) {
+  return size == 1 ? 1 : (size + kMaskBlock - 1) / kMaskBlock;
+}
+
+// The summary of one (batch, head) slice.
+struct SliceMaskBlocks {
+  const uint8_t* blocks = nullptr;  // block (0, 0) of this slice; nullptr: no summary, every tile is `unsummarised`
+  MaskCover unsummarised = MaskCover::kVisible;  // kPartial for a mask without a summary (read, skip nothing)
+  int64_t query_stride = 0;         // in bytes per query block; 0 when the mask broadcasts over queries
+  int64_t key_stride = 0;           // likewise per key block
+  int64_t query_blocks = 0;         // blocks of the whole query and key sequences
+  int64_t key_blocks = 0;
+
+  // How the mask covers the kRows x kCols tile at (row0, col0), which starts at a multiple of its own size (so it
+  // spans whole blocks, or lies inside one): hidden or visible when every block it touches is (blocks past the
+  // sequences ignored), partial otherwise. Fixed trip counts, so the kernels' loops carry no extra state.
+  template <int kRows, int kCols>
+  JF_HOST_DEVICE MaskCover cover(int64_t row0, int64_t col0) const {
+    static_assert((kRows % kMaskBlock == 0 || kMaskBlock % kRows == 0) &&
+                  (kCols % kMaskBlock == 0 || kMaskBlock % kCols == 0));
+    constexpr int kBlocksQ = kRows > kMaskBlock ? kRows / kMaskBlock : 1;
+    constexpr int kBlocksK = kCols > kMaskBlock ? kCols / kMaskBlock : 1;
+    if (blocks == nullptr) return unsummarised;
+    const int64_t q0 = row0 / kMaskBlock, k0 = col0 / kMaskBlock;
+    unsigned least = 2, most = 0;
+    for (int qb = 0; qb < kBlocksQ; ++qb) {
+      for (int kb = 0; kb < kBlocksK; ++kb) {
+        if (q0 + qb < query_blocks && k0 + kb < key_blocks) {
+          const unsigned b = blocks[(q0 + qb) * query_stride + (k0 + kb) * key_stride];
+          least = b < least ? b : least;
+          most = b > most ? b : most;
+        }
+      }
+    }
+    if (most == 0) return MaskCover::kHidden;
+    return least >= 2 ? MaskCover::kVisible : MaskCover::kPartial;
+  }
+};
+
+JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
+  SliceMaskBlocks m;
+  if (p.mask == nullptr) return m;
+  if (p.mask_blocks == nullptr) {
+    m.unsummarised = MaskCover::kPartial;
+    return m;
+  }
+  const BroadcastStrides& s = p.mask_blocks_strides;
+  m.blocks = p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
+  m.query_stride = s.query;
+  m.key_stride = s.key;
+  m.query_blocks = mask_blocks_along(p.seqlen_q);
+  m.key_blocks = mask_blocks_along(p.seqlen_k);
+  return m;
+}
+
+}  // namespace jax_flash
