@@ -2,7 +2,7 @@
 
 One Philox-4x32-10 call serves eight elements of a ``(b, h)`` slice: rows ``{i, i + 8}`` of a 16-row block times
 columns ``{j, j + 1, j + 32, j + 33}`` of a 64-column block. Element ``(b, h, i, j)`` uses the call keyed by
-``seeds[b]`` at counter ``(J, I, h, 0)`` with ``I = 8 * (i // 16) + i % 8`` and ``J = 16 * (j // 64) + (j % 32) // 2``;
+``seeds[b]`` at counter ``(J, I, 0, h)`` with ``I = 8 * (i // 16) + i % 8`` and ``J = 16 * (j // 64) + (j % 32) // 2``;
 its 16-bit draw is half ``j % 2`` (0: low bits) of word ``2 * ((i // 8) % 2) + (j // 32) % 2``, and it is kept
 when the draw is at least ``round(rate * 65536)`` (saturated at 65535).
 """
@@ -64,8 +64,8 @@ def keep_mask(seeds: jax.Array, rate: float, heads: int, seqlen_q: int, seqlen_k
     shape = (1, heads, rows.size, columns.size)
     counter = (jnp.broadcast_to(jnp.asarray(columns)[None, None, None, :], shape),
                jnp.broadcast_to(jnp.asarray(rows)[None, None, :, None], shape),
-               jnp.broadcast_to(jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None], shape),
-               jnp.zeros(shape, jnp.uint32))
+               jnp.zeros(shape, jnp.uint32),
+               jnp.broadcast_to(jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None], shape))
     seeds = seeds.astype(jnp.uint32)
     key = (seeds[:, 0, None, None, None], seeds[:, 1, None, None, None])
     words = jnp.stack(philox4x32_10(counter, key))                 # [4, batch, heads, calls_q, calls_k]

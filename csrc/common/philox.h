@@ -10,11 +10,12 @@
 // For element (b, h, i, j):
 //   call row     I = 8 * (i / 16) + i % 8
 //   call column  J = 16 * (j / 64) + (j % 32) / 2
-//   Philox-4x32-10 with key dropout_seeds[b] = (k0, k1) and counter (J, I, h, 0) gives words w[0..3];
+//   Philox-4x32-10 with key dropout_seeds[b] = (k0, k1) and counter (J, I, 0, h) gives words w[0..3];
 //   the element's draw u is the 16-bit half (j % 2) of word w[2 * ((i / 8) % 2) + (j / 32) % 2]
 //   (half 0: the low 16 bits, half 1: the high 16 bits);
 //   it is kept when u >= dropout_threshold(rate) = round(rate * 65536), saturated at 65535.
-// (i, j, h below 2^32.) The drop probability is therefore threshold / 65536: the rate is quantised to multiples
+// (i, j, h below 2^32; the head sits in the last counter word so that, the third being 0, the first round has
+// one multiplication.) The drop probability is threshold / 65536: the rate is quantised to multiples
 // of 1/65536 (0.1 drops with probability 6554/65536 = 0.1000061), while kept elements are scaled by the nominal
 // 1 / (1 - rate), a relative bias of at most 2^-17 / (1 - rate) in the expectation.
 #pragma once
@@ -61,7 +62,7 @@ JF_HOST_DEVICE uint32_t dropout_call_column(int64_t j) {
   return static_cast<uint32_t>(16 * (j >> 6) + ((j & 31) >> 1));
 }
 JF_HOST_DEVICE PhiloxWords dropout_call(const uint32_t* seed, int64_t head, int64_t i, int64_t j) {
-  return philox4x32_10(dropout_call_column(j), dropout_call_row(i), static_cast<uint32_t>(head), 0u, seed[0],
+  return philox4x32_10(dropout_call_column(j), dropout_call_row(i), 0u, static_cast<uint32_t>(head), seed[0],
                        seed[1]);
 }
 

@@ -92,8 +92,10 @@ struct KeepBits {
   CUTE_HOST_DEVICE void compute(const SliceDropout& d, Coords const& coords, int64_t row0, int64_t col0) {
     static_assert(std::is_same_v<std::decay_t<decltype(coords.layout())>, CoordLayout>);
     assert(row0 % 16 == 0 && col0 % (kPartner ? 64 : 2) == 0);
-    const int64_t thread_row = row0 + cute::get<0>(coords(0));
-    const int64_t thread_col = col0 + cute::get<1>(coords(0));
+    // 32-bit coordinates: the mapping takes rows and columns below 2^32 (common/philox.h).
+    const uint32_t thread_row = static_cast<uint32_t>(row0 + cute::get<0>(coords(0)));
+    const uint32_t thread_col = static_cast<uint32_t>(col0 + cute::get<1>(coords(0)));
+    const uint32_t head = static_cast<uint32_t>(d.head);
     CUTE_UNROLL
     for (int w = 0; w < kWords; ++w) bits[w] = 0;
 #pragma unroll 1
@@ -101,9 +103,10 @@ struct KeepBits {
       const int m = g % kTilesM;
       const int n_group = g / kTilesM;
       const int n = kPartner ? (n_group / kPartner) * 2 * kPartner + n_group % kPartner : n_group;
-      const int64_t i = thread_row + kRowStep * m;  // (i, j): element (e, a, partner) = (0, 0, 0) of the call
-      const int64_t j = thread_col + kColStep * n;
-      const PhiloxWords words = dropout_call(d.seed, d.head, i, j);
+      const uint32_t i = thread_row + kRowStep * m;  // (i, j): element (e, a, partner) = (0, 0, 0) of the call
+      const uint32_t j = thread_col + kColStep * n;
+      const PhiloxWords words =
+          philox4x32_10(dropout_call_column(j), dropout_call_row(i), 0u, head, d.seed[0], d.seed[1]);
       // With a partner, j % 64 < 32 (the tile's alignment) and the element's word is 2a + partner; without
       // one, the column half (j / 32) % 2 picks the word.
       const bool right_half = !kPartner && ((j >> 5) & 1);

@@ -1,7 +1,8 @@
 // The sm80 kernels' batched dropout keep bits (sm80/keep_bits.h: one Philox call per eight elements) against
 // the single-element definition dropout_keeps of common/philox.h, for every thread of every accumulator layout
 // the kernels use, at random tile origins, heads, seeds and rates. Runs on the CPU (KeepBits is host-callable):
-//   g++ -std=c++17 -O1 -I<csrc> -I<cutlass include> keep_bits_check.cc && ./a.out   # prints ALL OK
+//   g++ -std=c++17 -O1 -I<csrc> -I<cutlass include> -I<cuda>/include [-I<cuda>/include/cccl] keep_bits_check.cc
+//   ./a.out   # prints ALL OK; tests/test_dropout_keep_bits.py does this
 #include <cstdio>
 #include <random>
 
@@ -21,7 +22,8 @@ int failures = 0;
 template <class TiledMma, int kBlockM, int kBlockN>
 void check(const char* name, int trials, std::mt19937& rng) {
   TiledMma mma;
-  using Coords = decltype(mma.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  using Tile = Shape<Int<kBlockM>, Int<kBlockN>>;
+  using Coords = decltype(mma.get_thread_slice(0).partition_C(make_identity_tensor(Tile{})));
   using Keep = KeepBitsFor<Coords>;
   int64_t compared = 0, kept = 0;
   for (int trial = 0; trial < trials; ++trial) {
@@ -34,7 +36,7 @@ void check(const char* name, int trials, std::mt19937& rng) {
     d.head = rng() % 64;
     const int64_t row0 = int64_t(rng() % 4096) * kBlockM, col0 = int64_t(rng() % 4096) * kBlockN;
     for (int t = 0; t < int(size(mma)); ++t) {
-      auto coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      auto coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(Tile{}));
       Keep keep;
       keep.compute(d, coords, row0, col0);
       for (int v = 0; v < Keep::kElems; ++v) {
@@ -59,9 +61,8 @@ void check_mapping_is_injective() {
   for (int h = 0; h < heads; ++h)
     for (int i = 0; i < rows; ++i)
       for (int j = 0; j < cols; ++j) {
-        const size_t slot =
-            ((((size_t(h) * 8 * 3 + dropout_call_row(i)) * 16 * 4 + dropout_call_column(j)) * 4 + dropout_word(i, j)) * 2) +
-            dropout_half(j);
+        const size_t call = (size_t(h) * 8 * 3 + dropout_call_row(i)) * 16 * 4 + dropout_call_column(j);
+        const size_t slot = (call * 4 + dropout_word(i, j)) * 2 + dropout_half(j);
         if (seen.at(slot)++ && ++failures <= 10) std::printf("COLLISION h %d i %d j %d\n", h, i, j);
       }
 }
