@@ -1,8 +1,10 @@
 """The dropout keep mask in pure JAX, bit-identical to the kernels' (csrc/common/philox.h documents the mapping).
 
-Element ``(b, h, i, j)`` has linear index ``n = (h * seqlen_q + i) * seqlen_k + j``; Philox-4x32-10 keyed by
-``seeds[b]`` at counter ``(n // 4, 0, 0, 0)`` gives four words, of which the element takes word ``n % 4``; it is
-kept when that word is at least ``round(rate * 2**32)``.
+One Philox-4x32-10 call serves eight elements of a ``(b, h)`` slice: rows ``{i, i + 8}`` of a 16-row block times
+columns ``{j, j + 1, j + 32, j + 33}`` of a 64-column block. Element ``(b, h, i, j)`` uses the call keyed by
+``seeds[b]`` at counter ``(J, I, 0, h)`` with ``I = 8 * (i // 16) + i % 8`` and ``J = 16 * (j // 64) + (j % 32) // 2``;
+its 16-bit draw is half ``j % 2`` (0: low bits) of word ``2 * ((i // 8) % 2) + (j // 32) % 2``, and it is kept
+when the draw is at least ``round(rate * 65536)`` (saturated at 65535).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Arra
 
 
 def dropout_threshold(rate: float) -> int:
-    """Words at or above this survive: round(rate * 2^32), saturated (matches the C++)."""
-    scaled = float(np.float32(rate)) * 4294967296.0
-    return 0xFFFFFFFF if scaled >= 4294967295.0 else int(scaled + 0.5)
+    """16-bit draws at or above this survive: round(rate * 2^16), saturated at 2^16 - 1 (matches the C++)."""
+    scaled = float(np.float32(rate)) * 65536.0
+    return 0xFFFF if scaled >= 65535.0 else int(scaled + 0.5)
 
 
 def keep_mask(seeds: jax.Array, rate: float, heads: int, seqlen_q: int, seqlen_k: int) -> jax.Array:
@@ -50,17 +52,28 @@ def keep_mask(seeds: jax.Array, rate: float, heads: int, seqlen_q: int, seqlen_k
       seeds: ``[batch, 2]`` uint32 Philox keys, one per batch row.
       rate: the dropout rate.
     """
-    if heads * seqlen_q * seqlen_k >= 2 ** 32:
-        raise ValueError("the reference dropout mask supports fewer than 2^32 elements per batch row")
-    n = jnp.arange(heads * seqlen_q * seqlen_k, dtype=jnp.uint32).reshape(1, heads, seqlen_q, seqlen_k)
-    block = n >> 2
-    zeros = jnp.zeros_like(block)
+    if max(heads, seqlen_q, seqlen_k) >= 2 ** 32:
+        raise ValueError("the dropout mapping supports fewer than 2^32 heads, queries and keys")
+    i = np.arange(seqlen_q)
+    j = np.arange(seqlen_k)
+    call_row = 8 * (i // 16) + i % 8                  # I of each query row
+    call_column = 16 * (j // 64) + (j % 32) // 2      # J of each key
+    # One Philox call per (head, I, J) that some element uses, then each element picks its word and half.
+    rows = np.arange(8 * -(-seqlen_q // 16), dtype=np.uint32)
+    columns = np.arange(16 * -(-seqlen_k // 64), dtype=np.uint32)
+    shape = (1, heads, rows.size, columns.size)
+    counter = (jnp.broadcast_to(jnp.asarray(columns)[None, None, None, :], shape),
+               jnp.broadcast_to(jnp.asarray(rows)[None, None, :, None], shape),
+               jnp.zeros(shape, jnp.uint32),
+               jnp.broadcast_to(jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None], shape))
     seeds = seeds.astype(jnp.uint32)
     key = (seeds[:, 0, None, None, None], seeds[:, 1, None, None, None])
-    words = philox4x32_10((block, zeros, zeros, zeros), key)
-    lane = n & np.uint32(3)
-    word = jnp.select([lane == 0, lane == 1, lane == 2], list(words[:3]), words[3])
-    return word >= np.uint32(dropout_threshold(rate))
+    words = jnp.stack(philox4x32_10(counter, key))                 # [4, batch, heads, calls_q, calls_k]
+    words = words[:, :, :, call_row[:, None], call_column[None, :]]  # [4, batch, heads, seqlen_q, seqlen_k]
+    word_index = 2 * ((i[:, None] // 8) % 2) + (j[None, :] // 32) % 2
+    word = jnp.take_along_axis(words, jnp.asarray(word_index)[None, None, None], axis=0)[0]
+    draw = jnp.where(jnp.asarray(j % 2 == 1), word >> 16, word & np.uint32(0xFFFF))
+    return draw >= np.uint32(dropout_threshold(rate))
 
 
 def seeds_from_key(dropout_rng: jax.Array, batch: int) -> jax.Array:

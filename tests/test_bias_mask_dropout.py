@@ -93,9 +93,12 @@ def test_per_example_dbias_under_vmap_of_grad(shape):
 
 
 @pytest.mark.parametrize("rate", (0.1, 0.5))
-def test_dropout_mask_is_bit_identical_to_the_generator(rate):
-    """With one-hot value rows, o = dropout(P) row by row: its zeros are exactly the dropped elements."""
-    batch, seqlen_q, heads, seqlen_k = 2, 9, 3, 32
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(9, 32), (37, 100)])
+def test_dropout_mask_is_bit_identical_to_the_generator(rate, seqlen_q, seqlen_k):
+    """With one-hot value rows, o = dropout(P) row by row: its zeros are exactly the dropped elements. 37 x 100
+    has partial 16-row and 64-column blocks of the Philox mapping (a call covers rows i, i + 8 and columns j,
+    j + 1, j + 32, j + 33)."""
+    batch, heads = 2, 3
     q = jax.random.normal(jax.random.key(0), (batch, seqlen_q, heads, seqlen_k))
     k = jax.random.normal(jax.random.key(1), (batch, seqlen_k, heads, seqlen_k))
     v = jnp.broadcast_to(jnp.eye(seqlen_k)[None, :, None, :], (batch, seqlen_k, heads, seqlen_k))
@@ -109,10 +112,22 @@ def test_dropout_mask_is_bit_identical_to_the_generator(rate):
 
 @pytest.mark.parametrize("rate", (0.1, 0.3, 0.7))
 def test_dropout_keep_rate(rate):
+    """Overall, and for each of the eight elements that share a Philox call (the row half i // 8 % 2, the column
+    half j // 32 % 2 and the 16-bit half j % 2 select different random bits)."""
     seeds = _dropout.seeds_from_key(jax.random.key(5), 4)
     keep = np.asarray(_dropout.keep_mask(seeds, rate, 8, 64, 128))
     standard_error = np.sqrt(rate * (1 - rate) / keep.size)
     assert abs(keep.mean() - (1 - rate)) < 5 * standard_error
+    # [b, h, i // 16, i // 8 % 2, i % 8, j // 64, j // 32 % 2, j % 32 // 2, j % 2]
+    slots = keep.reshape(4, 8, 4, 2, 8, 2, 2, 16, 2)
+    per_slot = slots.mean(axis=(0, 1, 2, 4, 5, 7))
+    assert np.all(np.abs(per_slot - (1 - rate)) < 5 * standard_error * np.sqrt(8)), per_slot
+
+
+def test_dropout_rate_is_quantised_to_1_over_65536():
+    assert _dropout.dropout_threshold(0.1) == 6554
+    assert _dropout.dropout_threshold(0.0) == 0
+    assert _dropout.dropout_threshold(1 - 2 ** -20) == 0xFFFF  # saturated: some elements always survive
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)

@@ -462,7 +462,8 @@ def test_dropout_values_and_gradients(dtype):
 @pytest.mark.parametrize("rate", (0.1, 0.5))
 def test_dropout_keep_mask_matches_cpu_and_generator(rate):
     """With one-hot value rows, o[b, i, h, j] = dropout(P)[b, h, i, j] / rowsum: its zeros are exactly the dropped
-    elements. seqlen_k = 61 is odd, so Philox groups of four straddle rows and column pairs."""
+    elements. 150 x 61 leaves partial 16-row and 64-column blocks of the Philox mapping (one call serves rows i,
+    i + 8 and columns j, j + 1, j + 32, j + 33) and an odd last column."""
     batch, seqlen_q, heads, seqlen_k, head_dim = 2, 150, 3, 61, 64
     q = 0.3 * jax.random.normal(jax.random.key(0), (batch, seqlen_q, heads, head_dim))
     k = 0.3 * jax.random.normal(jax.random.key(1), (batch, seqlen_k, heads, head_dim))

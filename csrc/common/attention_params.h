@@ -56,8 +56,8 @@ struct AttentionParams {
   const uint8_t* mask_blocks = nullptr;
   BroadcastStrides mask_blocks_strides;
 
-  // Dropout on the probabilities: element (b, h, i, j) is kept when philox_uniform(...) >= dropout_rate, with
-  // Philox keyed by dropout_seeds[b] (see common/philox.h for the element -> counter mapping); kept
+  // Dropout on the probabilities: element (b, h, i, j) is kept when its 16-bit Philox draw is at least
+  // round(rate * 65536), Philox keyed by dropout_seeds[b] (common/philox.h has the element -> draw mapping); kept
   // probabilities are scaled by 1 / (1 - dropout_rate). The lse is that of the undropped probabilities.
   float dropout_rate = 0.0f;
   const uint32_t* dropout_seeds = nullptr;   // [batch, 2]

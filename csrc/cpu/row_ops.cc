@@ -97,10 +97,21 @@ float exp_shifted_and_sum(float* row, int64_t n, float shift) {
   return sum;
 }
 
+// dropout_keeps of common/philox.h, element by element; keys j and j + 1 (j even) share a Philox call, so a
+// call is reused while the column's call stays the same.
 void dropout_row(const DropoutRow& dropout, int64_t j0, int64_t n, float* row) {
   const float keep_scale = 1.0f / (1.0f - dropout.rate);
-  for (int64_t c = 0; c < n; ++c)
-    row[c] = dropout_keeps(dropout.seed, dropout.threshold, dropout.linear_base + j0 + c) ? row[c] * keep_scale : 0.0f;
+  PhiloxWords words{};
+  int64_t words_column = -1;  // the call column J that `words` belong to
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t j = j0 + c;
+    if (dropout_call_column(j) != words_column) {
+      words = dropout_call(dropout.seed, dropout.head, dropout.row, j);
+      words_column = dropout_call_column(j);
+    }
+    const bool kept = dropout_draw_keeps(words.w[dropout_word(dropout.row, j)], dropout_half(j), dropout.threshold);
+    row[c] = kept ? row[c] * keep_scale : 0.0f;
+  }
 }
 
 JF_VECTOR_CLONES

@@ -27,7 +27,8 @@ struct DropoutRow {
   float rate;
   uint32_t threshold;
   const uint32_t* seed;   // this batch row's Philox key
-  int64_t linear_base;    // (h * seqlen_q + i) * seqlen_k: the linear index of key 0
+  int64_t head;
+  int64_t row;            // the query row i
 };
 
 // row[c] *= 1 / (1 - rate) where key j0 + c survives, 0 where it is dropped, for c < n.

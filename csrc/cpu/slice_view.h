@@ -67,8 +67,7 @@ inline bool mask_hides_tile(const SliceMask& mask, int64_t i0, int64_t rows, int
 
 // Dropout settings of query row i of slice (b, h).
 inline DropoutRow dropout_for_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
-  return {p.dropout_rate, dropout_threshold(p.dropout_rate), p.dropout_seeds + 2 * b,
-          (h * p.seqlen_q + i) * p.seqlen_k};
+  return {p.dropout_rate, dropout_threshold(p.dropout_rate), p.dropout_seeds + 2 * b, h, i};
 }
 
 }  // namespace jax_flash::cpu

@@ -39,15 +39,14 @@ __device__ __forceinline__ float general_score(const AttentionParams& p, const S
          mask.bias_at(i, j);
 }
 
-// Dropout of one (batch, head) slice: element (i, j) is kept when its Philox word reaches the threshold;
+// Dropout of one (batch, head) slice: element (i, j) is kept when its 16-bit Philox draw reaches the threshold;
 // kept probabilities are scaled by 1 / (1 - rate). `active` is false without dropout (then every element is
 // kept unscaled and no Philox runs).
 struct SliceDropout {
   const uint32_t* seed = nullptr;
   uint32_t threshold = 0;
   float keep_scale = 1.0f;
-  int64_t row_base = 0;  // head * seqlen_q: linear index of (i, j) is (row_base + i) * seqlen_k + j
-  int64_t seqlen_k = 0;
+  int64_t head = 0;
   bool active = false;
 
   __device__ static SliceDropout make(const AttentionParams& p, int64_t batch, int64_t head) {
@@ -57,14 +56,15 @@ struct SliceDropout {
       d.seed = p.dropout_seeds + 2 * batch;
       d.threshold = dropout_threshold(p.dropout_rate);
       d.keep_scale = 1.0f / (1.0f - p.dropout_rate);
-      d.row_base = head * p.seqlen_q;
-      d.seqlen_k = p.seqlen_k;
+      d.head = head;
     }
     return d;
   }
   // Keep bits of a thread's kElems (<= 32) score elements, bit e for element e at coordinates
   // coord(e, &i, &j). Computed before a tile's GEMMs, while their accumulators are not yet live, in a loop that
   // is deliberately not unrolled: Philox's rounds then appear once in the code instead of once per element.
+  // One call per element (common/philox.h's dropout_keeps): these kernels' layouts do not line up with the
+  // eight elements a call serves, and correctness, not speed, is what matters here.
   template <int kElems, class Coord>
   __device__ __forceinline__ uint32_t keep_bits(Coord coord) const {
     static_assert(kElems <= 32, "one 32-bit word of keep bits");
@@ -74,7 +74,7 @@ struct SliceDropout {
     for (int e = 0; e < kElems; ++e) {
       int64_t i, j;
       coord(e, &i, &j);
-      bits |= uint32_t(dropout_keeps(seed, threshold, (row_base + i) * seqlen_k + j)) << e;
+      bits |= uint32_t(dropout_keeps(seed, threshold, head, i, j)) << e;
     }
     return bits;
   }

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    KeepBits<decltype(size(acc_s))::value> keep;
+    KeepBitsFor<decltype(score_coords)> keep;
     if constexpr (kGeneral) backward_keep_bits(keep, p, cta.batch, head, score_coords, m0, n0);
     clear(acc_s);
     clear(acc_dp);

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t n0 = int64_t(n_block) * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    KeepBits<decltype(size(acc_s))::value> keep;
+    KeepBitsFor<decltype(coords)> keep;
     if constexpr (kGeneral) backward_keep_bits(keep, p, cta.batch, cta.head, coords, m0, n0);
     clear(acc_s);
     clear(acc_dp);

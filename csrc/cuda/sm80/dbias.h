@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
           Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
           Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          KeepBits<decltype(size(acc_s))::value> keep;
+          KeepBitsFor<decltype(coords)> keep;
           backward_keep_bits(keep, p, batch, head, coords, m0, n0);
           clear(acc_s);
           clear(acc_dp);

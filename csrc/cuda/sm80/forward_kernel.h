@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const Atte
                             __attribute__((always_inline)) {
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     // Dropout keep bits first, while the score accumulators are not yet live (Philox needs a dozen registers).
-    [[maybe_unused]] KeepBits<decltype(size(acc_s))::value> keep;
+    [[maybe_unused]] KeepBitsFor<decltype(coords)> keep;
     [[maybe_unused]] const bool dropping = kGeneral && p.dropout_rate > 0.0f;
     if constexpr (kGeneral) {
       if (dropping) keep.compute(SliceDropout::make(p, cta.batch, cta.head), coords, m0, int64_t(n_block) * kBlockN);

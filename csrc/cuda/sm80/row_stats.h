@@ -57,8 +57,8 @@ struct IgnoreDscore {
 };
 
 // Keep bits of a backward score tile: computed only with dropout (a no-op otherwise).
-template <int kElems, class Coords>
-__device__ void backward_keep_bits(KeepBits<kElems>& keep, const AttentionParams& p, int64_t batch, int64_t head,
+template <class Layout, class Coords>
+__device__ void backward_keep_bits(KeepBits<Layout>& keep, const AttentionParams& p, int64_t batch, int64_t head,
                                    Coords const& coords, int64_t row0, int64_t col0) {
   if (p.dropout_rate > 0.0f) keep.compute(SliceDropout::make(p, batch, head), coords, row0, col0);
 }

@@ -6,9 +6,9 @@
 
 #include <cute/tensor.hpp>
 
-#include "../../common/philox.h"
 #include "../../common/score_pipeline.h"
 #include "fragments.h"
+#include "keep_bits.h"
 
 namespace jax_flash::cuda::sm80 {
 
@@ -137,68 +137,6 @@ struct ScoreTile {
   __device__ __forceinline__ float transform(float dot, int64_t row, int64_t col, float* dscore_ddot) const {
     return transform_score(dot, softmax_scale, softcap, mask.alibi_slope, row, col, mask.diagonal_shift,
                            dscore_ddot);
-  }
-};
-
-// Dropout of one (batch, head) slice: the keep test of common/philox.h.
-struct SliceDropout {
-  uint32_t seed[2];
-  uint32_t threshold;
-  float keep_scale;    // 1 / (1 - rate)
-  int64_t head_base;   // h * seqlen_q: linear index of (i, j) is (head_base + i) * seqlen_k + j
-  int64_t seqlen_k;
-
-  __device__ static SliceDropout make(const AttentionParams& p, int64_t batch, int64_t head) {
-    SliceDropout d;
-    d.seed[0] = p.dropout_seeds[2 * batch];
-    d.seed[1] = p.dropout_seeds[2 * batch + 1];
-    d.threshold = dropout_threshold(p.dropout_rate);
-    d.keep_scale = 1.0f / (1.0f - p.dropout_rate);
-    d.head_base = head * p.seqlen_q;
-    d.seqlen_k = p.seqlen_k;
-    return d;
-  }
-};
-
-// Keep bits of the kElems elements of a thread's accumulator tile: bit i % 32 of bits[i / 32] for element i.
-// The Philox rounds run in a loop that is deliberately not unrolled (unrolled per element they would bloat the
-// kernel and evict the accumulators from registers); a thread's elements come in pairs of adjacent columns, and
-// a pair inside one aligned group of four shares its Philox call.
-template <int kElems>
-struct KeepBits {
-  static constexpr int kWords = (kElems + 31) / 32;
-  uint32_t bits[kWords];
-
-  template <class Coords>
-  __device__ void compute(const SliceDropout& d, Coords const& coords, int64_t row0, int64_t col0) {
-    static_assert(decltype(cute::size(coords))::value == kElems && kElems % 2 == 0);
-    CUTE_UNROLL
-    for (int w = 0; w < kWords; ++w) {
-      uint32_t word = 0;
-      const int count = kElems - 32 * w < 32 ? kElems - 32 * w : 32;
-#pragma unroll 1
-      for (int i = 0; i < count; i += 2) {
-        const uint64_t n = linear_index(d, coords(w * 32 + i), row0, col0);
-        const uint64_t n_next = linear_index(d, coords(w * 32 + i + 1), row0, col0);
-        PhiloxWords words = philox_block(d, n >> 2);
-        const uint32_t first = words.w[n & 3];
-        if ((n_next >> 2) != (n >> 2)) words = philox_block(d, n_next >> 2);
-        const uint32_t second = words.w[n_next & 3];
-        word |= (first >= d.threshold ? 1u : 0u) << i;
-        word |= (second >= d.threshold ? 1u : 0u) << (i + 1);
-      }
-      bits[w] = word;
-    }
-  }
-  __device__ bool kept(int i) const { return (bits[i / 32] >> (i % 32)) & 1u; }
-
-  template <class Coord>
-  __device__ static uint64_t linear_index(const SliceDropout& d, Coord const& coord, int64_t row0, int64_t col0) {
-    return static_cast<uint64_t>((d.head_base + row0 + cute::get<0>(coord)) * d.seqlen_k + col0 + cute::get<1>(coord));
-  }
-  __device__ static PhiloxWords philox_block(const SliceDropout& d, uint64_t block) {
-    return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, 0u, d.seed[0],
-                         d.seed[1]);
   }
 };
 

@@ -133,7 +133,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   // dS of the previous tile stays in these registers until its dQ GEMM has retired (the next tile's wait).
   Tensor score_grads = make_tensor_like<T>(acc_dp);
   Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
-  sm80::KeepBits<decltype(size(acc_s))::value> no_dropout;  // the common variant never reads keep bits
+  sm80::NoKeepBits no_dropout;  // the common variant never reads keep bits
 
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
   typename Traits::PipelineState read, previous;

@@ -172,7 +172,7 @@ Reference reference(const Case& c, const AttentionParams& host_params, const std
         for (int64_t j = 0; j < Sk; ++j) sum += (p[j] = s[j] == -INFINITY ? 0.0 : std::exp(s[j] - max_s));
         const int64_t out_row = ((b * Sq + i) * Hq + h) * D;
         for (int64_t j = 0; j < Sk && dropout; ++j) {  // o = dropout(P) V; lse of the undropped P
-          const bool kept = jax_flash::dropout_keeps(host_params.dropout_seeds + 2 * b, threshold, (h * Sq + i) * Sk + j);
+          const bool kept = jax_flash::dropout_keeps(host_params.dropout_seeds + 2 * b, threshold, h, i, j);
           keep[j] = kept ? keep_scale : 0.0;
         }
         for (int64_t j = 0; j < Sk; ++j) {

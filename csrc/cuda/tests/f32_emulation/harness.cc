@@ -186,7 +186,7 @@ int run_case(const Case& c, bool tf32) {
         std::vector<double> F(c.Sk, 1.0);
         if (dn.dropout > 0)
           for (int j = 0; j < c.Sk; ++j)
-            F[j] = dropout_keeps(seeds.data() + 2 * b, threshold, (int64_t(h) * c.Sq + i) * c.Sk + j) ? keep_scale : 0.0;
+            F[j] = dropout_keeps(seeds.data() + 2 * b, threshold, h, i, j) ? keep_scale : 0.0;
         std::vector<double> orow(c.d, 0);
         for (int j = 0; j < c.Sk; ++j) if (P[j] > 0) for (int x = 0; x < c.d; ++x) orow[x] += P[j] * F[j] * v[KI(b, j, hk, x)];
         double Dd = 0; for (int x = 0; x < c.d; ++x) { ro[((size_t(b) * c.Sq + i) * c.Hq + h) * c.d + x] = orow[x]; Dd += orow[x] * DO(b, i, h, x); }
