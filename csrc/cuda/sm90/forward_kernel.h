@@ -9,7 +9,7 @@
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first across all (batch, head) slices.
 //
-// Tiles: tile t (a query row block of one (batch, head)) is numbered as locate_row_block says. CTA b runs tiles
+// Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. CTA b runs tiles
 // b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (the default), or a
 // persistent grid of about one CTA per SM (JAX_FLASH_SM90_PERSISTENT=1, forward_launch.h) whose CTAs walk the
 // same longest-first order. Each tile is the same function in both cases; only the loop around it is new.
@@ -72,32 +72,56 @@ struct RowBlock {
   TileSpan interior;    // tiles that need no per-element mask
 };
 
-template <class Traits>
-__device__ RowBlock locate_row_block(const ForwardArgs<Traits>& args, uint32_t tile) {
-  const AttentionParams& p = args.p;
-  const TileGrid& grid = args.grid;
-  uint32_t block, slice;
-  if (p.causal) {
+// Tile number -> (row block counted from the last, slice = batch * heads_q + head).
+template <class Int>
+__device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, Int* block, Int* slice) {
+  if (causal) {
     // Work grows with the row block: the row block is the slowest index of the tile, so every slice's longest
     // block runs in the first waves and the short ones fill the tail of the grid.
-    block = tile / grid.slices;
-    slice = tile % grid.slices;
+    *block = tile / slices;
+    *slice = tile % slices;
   } else {
     // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
-    block = tile % grid.row_blocks;
-    slice = tile / grid.row_blocks;
+    *block = tile % row_blocks;
+    *slice = tile / row_blocks;
   }
+}
+
+template <class Traits>
+__device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int64_t head, int64_t head_kv,
+                                   int64_t m0) {
   RowBlock rb;
-  const uint32_t head = slice % grid.heads_q;
-  rb.batch = slice / grid.heads_q;
+  rb.batch = batch;
   rb.head = head;
-  rb.head_kv = head / grid.group_size;
-  rb.m0 = int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM;
+  rb.head_kv = head_kv;
+  rb.m0 = m0;
   rb.rows_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - rb.m0));
   rb.mask = make_slice_mask(p, rb.batch, rb.head);
   rb.key_tiles = key_tiles_for_rows(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
   rb.interior = fully_visible_key_tiles(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
   return rb;
+}
+
+// The forward's tile `tile`, split in 32 bits with the host's TileGrid.
+template <class Traits>
+__device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
+  const TileGrid& grid = args.grid;
+  uint32_t block, slice;
+  split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, &block, &slice);
+  const uint32_t head = slice % grid.heads_q;
+  return make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
+                                int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
+}
+
+// One CTA per row block, numbered as the forward numbers its tiles (the sm90 dQ pass): tile = blockIdx.x.
+template <class Traits>
+__device__ RowBlock locate_row_block(const AttentionParams& p) {
+  const int64_t row_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  int64_t block, slice;
+  split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, p.heads_q * p.batch, &block, &slice);
+  const int64_t head = slice % p.heads_q;
+  return make_row_block<Traits>(p, slice / p.heads_q, head, head / (p.heads_q / p.heads_kv),
+                                (row_blocks - 1 - block) * Traits::kBlockM);
 }
 
 // Rows with nothing visible: O = 0, lse = -inf (head_dim is a multiple of 8 on this path: 16-byte stores), written
@@ -182,7 +206,7 @@ __device__ void produce(const ForwardArgs<Traits>& args, typename Traits::Shared
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   int round = 0;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
-    const RowBlock rb = locate_row_block<Traits>(args, tile);
+    const RowBlock rb = locate_tile<Traits>(args, tile);
     if (rb.key_tiles.empty()) continue;
     load_tile<Traits>(args, rb, smem, pipeline_k, pipeline_v, write, round);
     ++round;
@@ -388,7 +412,7 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
                                        int group) {
   ConsumerProgress<Traits> progress;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {
-    const RowBlock rb = locate_row_block<Traits>(args, tile);
+    const RowBlock rb = locate_tile<Traits>(args, tile);
     if (rb.key_tiles.empty()) {
       store_empty_rows<Traits>(args.p, rb, threadIdx.x - 128);
       continue;
