@@ -8,6 +8,33 @@
 // their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first across all (batch, head) slices.
+//
+// Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. CTA b runs tiles
+// b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (the default), or a
+// persistent grid of about one CTA per SM (JAX_FLASH_SM90_PERSISTENT=1, forward_launch.h) whose CTAs walk the
+// same longest-first order. Each tile is the same function in both cases; only the loop around it is new.
+//
+// Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
+// the CTA's non-empty tiles, 0, 1, 2, ...):
+//  - K and V: the producer's write state and each consumer's read state run on across tiles; every round fills
+//    and drains exactly key_tiles.size() stages of each pipeline, so the two stay in step as within one tile.
+//  - q_full (transaction mbarrier, 1 arrival + the Q bytes): phase r completes when round r's Q has landed; the
+//    consumers wait for parity r & 1.
+//  - q_empty (mbarrier, one arrival per consumer thread): phase r completes when no consumer reads or writes round
+//    r's Q buffer any more (after its last Q K^T retired, or with O staged in Q, after the epilogue read O back and
+//    fenced its generic-proxy accesses against the next TMA write). The producer waits for parity (r - 1) & 1
+//    before it issues round r's Q (r >= 1).
+//    Neither barrier can run two phases ahead of its waiter: Q of round r + 1 needs q_empty of round r, which
+//    needs every consumer to have passed its q_full wait of round r (and vice versa), so a parity wait is never
+//    ambiguous. No deadlock: before that wait the producer has issued all of round r's K/V, which the consumers
+//    need to reach their q_empty arrival; the next tile's first K load is issued before the wait (it needs only
+//    stages the consumers release in round r).
+//  - pingpong: one turn token circulates between the consumers for the CTA's whole life: consumer 0 takes the
+//    first turn (the last consumer hands it over at its first tile), every GEMM round of every tile ends by
+//    passing the turn, so consumer 0's first round of tile r + 1 follows the last consumer's last round of tile
+//    r. Only the last consumer's final hand-over in the CTA's last tile is skipped (nobody would take it); when
+//    only empty tiles follow, that hand-over is made and simply never taken (a named barrier left with pending
+//    arrivals at exit).
 #pragma once
 
 #include <cmath>
@@ -45,26 +72,29 @@ struct RowBlock {
   TileSpan interior;    // tiles that need no per-element mask
 };
 
-template <class Traits>
-__device__ RowBlock locate_row_block(const AttentionParams& p) {
-  const int64_t num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
-  const int64_t slices = p.heads_q * p.batch;
-  int64_t block, slice;
-  if (p.causal) {
-    // Work grows with the row block: the row block is the slowest index of blockIdx.x, so every slice's longest
+// Tile number -> (row block counted from the last, slice = batch * heads_q + head).
+template <class Int>
+__device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, Int* block, Int* slice) {
+  if (causal) {
+    // Work grows with the row block: the row block is the slowest index of the tile, so every slice's longest
     // block runs in the first waves and the short ones fill the tail of the grid.
-    block = blockIdx.x / slices;
-    slice = blockIdx.x % slices;
+    *block = tile / slices;
+    *slice = tile % slices;
   } else {
     // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
-    block = blockIdx.x % num_m_blocks;
-    slice = blockIdx.x / num_m_blocks;
+    *block = tile % row_blocks;
+    *slice = tile / row_blocks;
   }
+}
+
+template <class Traits>
+__device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int64_t head, int64_t head_kv,
+                                   int64_t m0) {
   RowBlock rb;
-  rb.batch = slice / p.heads_q;
-  rb.head = slice % p.heads_q;
-  rb.head_kv = rb.head / (p.heads_q / p.heads_kv);
-  rb.m0 = (num_m_blocks - 1 - block) * Traits::kBlockM;
+  rb.batch = batch;
+  rb.head = head;
+  rb.head_kv = head_kv;
+  rb.m0 = m0;
   rb.rows_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - rb.m0));
   rb.mask = make_slice_mask(p, rb.batch, rb.head);
   rb.key_tiles = key_tiles_for_rows(rb.mask, rb.m0, Traits::kBlockM, Traits::kBlockN);
@@ -72,25 +102,51 @@ __device__ RowBlock locate_row_block(const AttentionParams& p) {
   return rb;
 }
 
-// Rows with nothing visible: O = 0, lse = -inf (head_dim is a multiple of 8 on this path: 16-byte stores).
+// The forward's tile `tile`, split in 32 bits with the host's TileGrid.
 template <class Traits>
-__device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb) {
+__device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
+  const TileGrid& grid = args.grid;
+  uint32_t block, slice;
+  split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, &block, &slice);
+  const uint32_t head = slice % grid.heads_q;
+  return make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
+                                int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
+}
+
+// One CTA per row block, numbered as the forward numbers its tiles (the sm90 dQ pass): tile = blockIdx.x.
+template <class Traits>
+__device__ RowBlock locate_row_block(const AttentionParams& p) {
+  const int64_t row_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  int64_t block, slice;
+  split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, p.heads_q * p.batch, &block, &slice);
+  const int64_t head = slice % p.heads_q;
+  return make_row_block<Traits>(p, slice / p.heads_q, head, head / (p.heads_q / p.heads_kv),
+                                (row_blocks - 1 - block) * Traits::kBlockM);
+}
+
+// Rows with nothing visible: O = 0, lse = -inf (head_dim is a multiple of 8 on this path: 16-byte stores), written
+// by the consumer threads (`thread` among kConsumerThreads); such a tile touches no shared memory or barrier.
+template <class Traits>
+__device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, int thread) {
   using T = typename Traits::Element;
+  constexpr int kThreads = Traits::kConsumerThreads;
   const BshdShape q_shape = sm80::query_shape(p);
   const int chunks_per_row = static_cast<int>(p.head_dim / 8);
-  for (int i = threadIdx.x; i < rb.rows_in_bounds * chunks_per_row; i += Traits::kThreads) {
+  for (int i = thread; i < rb.rows_in_bounds * chunks_per_row; i += kThreads) {
     const int row = i / chunks_per_row, chunk = i % chunks_per_row;
     T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
     *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
   float* lse = p.lse + sm80::row_stat_offset(p, rb.batch, rb.head, rb.m0);
-  for (int r = threadIdx.x; r < rb.rows_in_bounds; r += Traits::kThreads) lse[r] = -INFINITY;
+  for (int r = thread; r < rb.rows_in_bounds; r += kThreads) lse[r] = -INFINITY;
 }
 
-// Producer: one thread issues every TMA load of the CTA.
+// Producer, one tile (round `round` of this CTA): the first K, then Q once the previous round freed Q's buffer,
+// then the rest of K and V. `write` carries the pipelines' position from tile to tile.
 template <class Traits>
-__device__ void produce(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
-                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
+__device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
+                          typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
+                          typename Traits::PipelineState& write, int round) {
   using namespace cute;
   const AttentionParams& p = args.p;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -116,33 +172,79 @@ __device__ void produce(const ForwardArgs<Traits>& args, const RowBlock& rb, typ
   Tensor tVgV = tma_v.partition_S(gV);
   Tensor tVsV = tma_v.partition_D(sV);
 
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
-  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
-
-  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+  auto load_k = [&](int n_block) {
     pipeline_k.producer_acquire(write);
     copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, _, _, n_block),
          tKsK(_, _, _, write.index()));
+  };
+  auto load_v = [&](int n_block) {
     pipeline_v.producer_acquire(write);
     copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, _, _, n_block),
          tVsV(_, _, _, write.index()));
+  };
+
+  // The first K stage only needs a stage the consumers released, so it can stream in during the previous
+  // tile's end; Q must wait for the previous round's q_empty phase (see the invariants at the top).
+  int n_block = rb.key_tiles.end - 1;
+  load_k(n_block);
+  if (round > 0) cutlass::arch::ClusterBarrier::wait(&smem.q_empty, (round - 1) & 1);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+  load_v(n_block);
+  ++write;
+  for (--n_block; n_block >= rb.key_tiles.begin; --n_block) {
+    load_k(n_block);
+    load_v(n_block);
     ++write;
   }
 }
 
-// Consumer warpgroup `group` (0-based among consumers): its 64 rows through every key tile, then the epilogue.
+// Producer: one thread issues every TMA load of the CTA, for each of its non-empty tiles in turn.
+template <class Traits>
+__device__ void produce(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  int round = 0;
+  for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
+    const RowBlock rb = locate_tile<Traits>(args, tile);
+    if (rb.key_tiles.empty()) continue;
+    load_tile<Traits>(args, rb, smem, pipeline_k, pipeline_v, write, round);
+    ++round;
+  }
+}
+
+// x, hidden from the optimiser: nothing computed from it can be hoisted above this point (e.g. out of a loop).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// What a consumer warpgroup carries from one of its CTA's tiles to the next.
+template <class Traits>
+struct ConsumerProgress {
+  typename Traits::PipelineState read;  // K and V advance in lock step
+  int round = 0;                        // non-empty tiles done: the q_full / q_empty phase
+  bool turn_passed = false;             // (last consumer) consumer 0 already holds the first turn of our next tile
+};
+
+// Consumer warpgroup `group` (0-based among consumers), one tile: its 64 rows through every key tile, then the
+// epilogue. `last_tile`: no later tile of this CTA exists (the final pingpong hand-over is skipped).
 // Force-inlined: as a called function, ptxas serialises every WGMMA of the general variant (C7510).
 template <class Traits, bool kTransforms>
-__device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock& rb,
-                                       typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_k,
-                                       typename Traits::Pipeline& pipeline_v, int group) {
+__device__ __forceinline__ void consume_tile(const AttentionParams& p, const RowBlock& rb,
+                                            typename Traits::SharedStorage& smem,
+                                            typename Traits::Pipeline& pipeline_k,
+                                            typename Traits::Pipeline& pipeline_v, ConsumerProgress<Traits>& progress,
+                                            bool last_tile, int group) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kGroups = Traits::kConsumerGroups;
-  const int thread = threadIdx.x - 128;  // among all consumer threads
+  // Among all consumer threads; made opaque per tile so that the thread's address arithmetic (the epilogue's
+  // above all) is computed where it is used, not hoisted out of the tile loop to sit in registers through every
+  // tile's main loop.
+  const int thread = opaque(int(threadIdx.x) - 128);
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
@@ -170,9 +272,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock
     if constexpr (kGroups > 1) named_barrier_sync(kTurnBarrier + group, 2 * 128);
   };
   auto pass_turn = [&](bool final_round) {
-    // The last consumer's final hand-over would have no taker.
+    // The last consumer's final hand-over of the CTA's last tile would have no taker.
     if constexpr (kGroups > 1) {
-      if (!(final_round && group == last_group)) named_barrier_arrive(kTurnBarrier + (group + 1) % kGroups, 2 * 128);
+      if (!(final_round && group == last_group && last_tile)) {
+        named_barrier_arrive(kTurnBarrier + (group + 1) % kGroups, 2 * 128);
+      }
     }
   };
   static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
@@ -188,9 +292,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock
     }
   };
 
-  typename Traits::PipelineState read;  // K and V advance in lock step
-  cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
-  if (group == last_group && kGroups > 1) named_barrier_arrive(kTurnBarrier, 2 * 128);  // consumer 0 goes first
+  typename Traits::PipelineState& read = progress.read;
+  cutlass::arch::ClusterBarrier::wait(&smem.q_full, progress.round & 1);
+  // Consumer 0 goes first: in the CTA's first tile the last consumer hands it the turn here; later, its final
+  // hand-over of the previous tile did.
+  if constexpr (kGroups > 1) {
+    if (group == last_group && !progress.turn_passed) named_barrier_arrive(kTurnBarrier, 2 * 128);
+  }
 
   // First tile: S only.
   int n_block = rb.key_tiles.end - 1;
@@ -234,22 +342,36 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock
     previous = read;
     ++read;
   }
+  // Every Q K^T of the tile has retired: with O staged elsewhere, Q's buffer may take the next tile's Q.
+  if constexpr (Traits::kOwnOutputBuffer) cutlass::arch::ClusterBarrier::arrive(&smem.q_empty);
 
   // Last P V.
   wait_turn();
   pipeline_v.consumer_wait(previous);
   issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
   pass_turn(true);
+  if (group == last_group) progress.turn_passed = !last_tile;
   warpgroup_wait<0>();
   pipeline_v.consumer_release(previous);
 
-  // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of Q's buffer (its Q K^T GEMMs have
-  // retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane per quad.
+  // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of the O buffer (or of Q's buffer, whose
+  // Q K^T GEMMs have retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane
+  // per quad.
   float lse[kRows];
   softmax.finalize(sm80::as_rows_cols(sm80_view(acc_o)), to_log2, lse);
   Tensor out_frag = sm80::converted<T>(acc_o);
-  Tensor sO = sQ;
+  Tensor sO = [&] {
+    if constexpr (Traits::kOwnOutputBuffer) {
+      return make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutQ{});
+    } else {
+      return sQ;
+    }
+  }();
   Tensor frag_so = thr_mma_o.partition_C(sO);
+  // The O buffer outlives the tile: this warpgroup's reads of its rows for the previous tile must be done.
+  if constexpr (Traits::kOwnOutputBuffer) {
+    if (progress.round > 0) named_barrier_sync(kEpilogueBarrier + group, 128);
+  }
   copy(out_frag, frag_so);
   named_barrier_sync(kEpilogueBarrier + group, 128);
 
@@ -274,6 +396,30 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const RowBlock
       if (row < rb.rows_in_bounds) lse_out[row] = lse[r];
     }
   }
+  if constexpr (!Traits::kOwnOutputBuffer) {
+    // O was staged in Q's buffer: order this thread's generic-proxy accesses to it before the next tile's TMA
+    // (async proxy) write, then free it.
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::ClusterBarrier::arrive(&smem.q_empty);
+  }
+  ++progress.round;
+}
+
+// Consumer warpgroup `group`: each of the CTA's tiles in turn; an empty one only writes O = 0 and lse = -inf.
+template <class Traits, bool kTransforms>
+__device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                                       typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
+                                       int group) {
+  ConsumerProgress<Traits> progress;
+  for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {
+    const RowBlock rb = locate_tile<Traits>(args, tile);
+    if (rb.key_tiles.empty()) {
+      store_empty_rows<Traits>(args.p, rb, threadIdx.x - 128);
+      continue;
+    }
+    const bool last_tile = tile + gridDim.x >= args.grid.tiles;
+    consume_tile<Traits, kTransforms>(args.p, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
+  }
 }
 
 template <class Traits, bool kTransforms>
@@ -282,13 +428,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using namespace cute;
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
-  const AttentionParams& p = args.p;
-
-  const RowBlock rb = locate_row_block<Traits>(p);
-  if (rb.key_tiles.empty()) {
-    store_empty_rows<Traits>(p, rb);
-    return;
-  }
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -296,6 +435,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&smem.q_empty, Traits::kConsumerThreads);
   }
   typename Traits::Pipeline::Params params;
   params.role = warp_group == 0 ? Traits::Pipeline::ThreadCategory::Producer
@@ -309,10 +449,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x == 0) produce<Traits>(args, rb, smem, pipeline_k, pipeline_v);
+    if (threadIdx.x == 0) produce<Traits>(args, smem, pipeline_k, pipeline_v);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume<Traits, kTransforms>(p, rb, smem, pipeline_k, pipeline_v, warp_group - 1);
+    consume<Traits, kTransforms>(args, smem, pipeline_k, pipeline_v, warp_group - 1);
   }
 }
 

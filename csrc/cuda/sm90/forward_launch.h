@@ -2,6 +2,9 @@
 // .cu (sm_90a only). Builds the three TMA descriptors for this call's pointers and shapes.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -23,12 +26,61 @@ auto bshd_tensor(const void* data, int64_t seqlen, int64_t heads, int64_t head_d
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
 }
 
+// JAX_FLASH_SM90_PERSISTENT (read at every call): "1" launches a persistent grid (forward_kernel.h: each CTA loops
+// over tiles blockIdx.x, + gridDim.x, ...); unset, "" or "0" launches one CTA per tile. *max_ctas > 0 caps the
+// persistent grid: JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
+inline std::string persistent_switch(bool* persistent, int64_t* max_ctas) {
+  const char* env = std::getenv("JAX_FLASH_SM90_PERSISTENT");
+  const std::string value = env ? env : "";
+  if (value != "" && value != "0" && value != "1") {
+    return "JAX_FLASH_SM90_PERSISTENT must be 0 or 1, not '" + value + "'";
+  }
+  *persistent = value == "1";
+  *max_ctas = 0;
+  const char* cap = std::getenv("JAX_FLASH_SM90_PERSISTENT_CTAS");
+  if (cap != nullptr && *cap != '\0') {
+    char* end = nullptr;
+    const long long n = std::strtoll(cap, &end, 10);
+    if (*end != '\0' || n < 1) {
+      return std::string("JAX_FLASH_SM90_PERSISTENT_CTAS must be a positive integer, not '") + cap + "'";
+    }
+    *max_ctas = n;
+  }
+  return {};
+}
+
+// CTAs of forward_kernel<Traits, kTransforms> that fit on the current GPU at once (SMs x CTAs per SM), looked up
+// once per device (its dynamic shared memory limit must have been raised already).
+template <class Traits, bool kTransforms>
+std::string resident_ctas(int64_t* ctas) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> known[kMaxDevices];  // 0: not looked up yet
+  const auto kernel = forward_kernel<Traits, kTransforms>;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return "sm90 forward: cudaGetDevice failed while sizing the persistent grid";
+  }
+  if (device >= 0 && device < kMaxDevices && (*ctas = known[device].load(std::memory_order_relaxed)) > 0) return {};
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads, Traits::kSmemBytes) !=
+          cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return std::string("sm90 forward: sizing the persistent grid: ") + cudaGetErrorString(err);
+  }
+  *ctas = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  if (device >= 0 && device < kMaxDevices) known[device].store(*ctas, std::memory_order_relaxed);
+  return {};
+}
+
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
   using Traits = ForwardTraits<kHeadDim, Element>;
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
   ForwardArgs<Traits> args{p,
+                           TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},
                                          bshd_tensor<Traits>(p.q, p.seqlen_q, p.heads_q, p.head_dim, p.batch),
                                          typename Traits::SmemLayoutQ{},
@@ -41,14 +93,30 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
-  auto kernel = sm80::needs_general_variant(p) ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
+  const bool general = sm80::needs_general_variant(p);
+  auto kernel = general ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
-  unsigned grid = 0;
+  bool persistent = false;
+  int64_t max_ctas = 0;
+  if (std::string err = persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+  unsigned grid = 0;  // one CTA per tile
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
       !err.empty()) {
     return err;
   }
   if (grid == 0) return {};
+  const auto row_blocks = static_cast<uint32_t>(ceil_div(p.seqlen_q, Traits::kBlockM));
+  args.grid = TileGrid{grid, row_blocks, grid / row_blocks, static_cast<uint32_t>(p.heads_q),
+                       static_cast<uint32_t>(p.heads_q / p.heads_kv)};
+  if (persistent) {
+    int64_t ctas = 0;
+    if (std::string err = general ? resident_ctas<Traits, true>(&ctas) : resident_ctas<Traits, false>(&ctas);
+        !err.empty()) {
+      return err;
+    }
+    if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
+    grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
 }

@@ -3,6 +3,8 @@
 // consumer owning 64 consecutive query rows of the CTA's kBlockM-row tile. bf16 and fp16 share tiles.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -21,14 +23,15 @@ struct ForwardTile {
   int stages;   // K and V shared-memory buffers each
 };
 
-// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200.
+// smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200,
+// plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer).
 // Register budget per consumer thread (240 after setmaxnreg): O is head_dim / 2 floats, S and the next S are
 // block_n / 2 floats each, P block_n / 4 registers.
 constexpr ForwardTile forward_tile(int head_dim) {
   switch (head_dim) {
-    case 64: return {128, 128, 3};   //  16 + 96 = 112 KiB
-    case 128: return {128, 128, 2};  //  32 + 128 = 160 KiB
-    default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB; O alone is 128 registers per thread
+    case 64: return {128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
+    case 128: return {128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
+    default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
 }
 
@@ -87,16 +90,29 @@ struct ForwardTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
+  // O is staged in shared memory for 16-byte row stores. Where a buffer of its own fits (head dims 64 and 128),
+  // a tile's Q buffer is free as soon as its last Q K^T has retired, so a persistent CTA loads the next tile's Q
+  // during this tile's last P V and epilogue; otherwise (256) O is staged in Q's buffer and frees it only after
+  // the epilogue.
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr bool kOwnOutputBuffer =
+      2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= kSmemLimit;  // 1024: barriers and alignment
+  struct OutputBuffer {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> o;
+  };
+  struct NoOutputBuffer {};
+
+  struct SharedStorage : std::conditional_t<kOwnOutputBuffer, OutputBuffer, NoOutputBuffer> {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    alignas(8) uint64_t q_full;  // transaction barrier of the one Q load
+    alignas(8) uint64_t q_full;   // transaction barrier of a tile's Q load (one phase per tile)
+    alignas(8) uint64_t q_empty;  // every consumer thread arrives once per tile when Q's buffer is free again
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(kSmemBytes <= kSmemLimit);
 
   // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch) over the contiguous BSHD arrays.
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -109,10 +125,21 @@ struct ForwardTraits {
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
-// Kernel arguments: the plain parameters plus the three TMA descriptors (built on the host per call).
+// How a tile number splits into (row block, batch, head), precomputed on the host in 32 bits (every count is below
+// 2^31): a persistent CTA's tile loop then keeps no 64-bit division constants live across its tiles.
+struct TileGrid {
+  uint32_t tiles;       // row_blocks * slices
+  uint32_t row_blocks;  // ceil(seqlen_q / block_m)
+  uint32_t slices;      // heads_q * batch
+  uint32_t heads_q;
+  uint32_t group_size;  // heads_q / heads_kv
+};
+
+// Kernel arguments: the plain parameters, the tile numbering and the three TMA descriptors (built per call).
 template <class Traits>
 struct ForwardArgs {
   AttentionParams p;
+  TileGrid grid;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;

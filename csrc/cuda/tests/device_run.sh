@@ -9,6 +9,9 @@
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   check_persistent  the check with the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1)
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
+#   persistent   the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1): both standalone grids with the
+#                grid capped at a few CTAs (each loops over many tiles) and uncapped, the three sanitizers on
+#                `--small` capped at 2 CTAs, then --bench-persistent (per-tile vs persistent, bit-identical outputs)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
@@ -82,6 +85,28 @@ sanitize() {
   return $rc
 }
 
+persistent() {
+  local ctas tool grid rc=0
+  export JAX_FLASH_SM90_PERSISTENT=1
+  for ctas in 1 3 ""; do
+    for grid in "" "--sm90-backward"; do
+      echo "== check $grid JAX_FLASH_SM90_PERSISTENT_CTAS=${ctas:-(uncapped)}"
+      JAX_FLASH_SM90_PERSISTENT_CTAS=$ctas "$check" $grid || rc=1
+    done
+  done
+  for tool in memcheck racecheck synccheck; do
+    for grid in "--small" "--sm90-backward --small"; do
+      echo "== $tool $grid JAX_FLASH_SM90_PERSISTENT_CTAS=2"
+      JAX_FLASH_SM90_PERSISTENT_CTAS=2 compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid 2>&1 |
+        tail -n 4 || rc=1
+    done
+  done
+  unset JAX_FLASH_SM90_PERSISTENT
+  echo "== --bench-persistent"
+  "$check" --bench-persistent || rc=1
+  return $rc
+}
+
 bench_cuda() {
   local family
   for family in sm80 sm90; do
@@ -101,6 +126,7 @@ run_stage() {
     check) stage check 120 "$check" ;;
     check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;
     sanitize) stage sanitize 240 sanitize ;;
+    persistent) stage persistent 300 persistent ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;

@@ -3,6 +3,12 @@
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
 //   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events)
+//   standalone_check --bench-persistent
+//                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
+//                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
+//                               modes' outputs are bit-identical
+//   The sm90 forward's persistent mode over the case grid: JAX_FLASH_SM90_PERSISTENT=1, plus
+//   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) so that small cases loop over many tiles per CTA.
 //   standalone_check --sm90-backward [--small]
 //                               the Hopper backward (experimental): a grid aimed at it, each case's backward forced
 //                               to sm90 where it applies (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, so a refusal fails the
@@ -523,6 +529,10 @@ std::vector<Case> case_grid(bool small) {
        .heads_kv = 1, .head_dim = 256, .deterministic = true});
   add({.name = "all masked rows (window far right)", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
        .window_left = 0, .window_right = 0});
+  // Causal, bottom-right aligned, sq > sk: the first row blocks see nothing, and longest-first order runs those
+  // empty tiles last (a persistent CTA ends on empty tiles).
+  add({.name = "causal sq>sk d=128 (empty row blocks)", .batch = 2, .seqlen_q = 700, .seqlen_k = 200, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 128, .causal = true});
   return cases;
 }
 
@@ -643,16 +653,101 @@ void bench() {
   }
 }
 
+// Forward only, bf16, 16k tokens per call, 16 heads: one CTA per tile against the persistent grid
+// (JAX_FLASH_SM90_PERSISTENT=0 / 1, forced per call; JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
+// Both modes run the same tile code in the same order, so O and lse must be bit-identical.
+bool bench_forward_persistent() {
+  const char* saved = std::getenv("JAX_FLASH_SM90_PERSISTENT");
+  const std::string previous = saved ? saved : "";
+  bool all_identical = true;
+  const int64_t kTokens = 16384, H = 16;
+  for (int64_t D : {64, 128, 256}) {
+    // Every call below has kTokens * H rows of D elements: one random tensor serves as q, k and v of all of them.
+    const size_t n = kTokens * H * D, nstat = kTokens * H;
+    std::mt19937 rng(2);
+    uint16_t* qkv = to_device(random_tensor(n, ElementType::kBFloat16, 1.0f, rng).bits);
+    uint16_t* out = poisoned<uint16_t>(n);
+    float* out_lse = poisoned<float>(nstat);
+    for (int64_t S : {512, 1024, 2048, 8192}) {
+      for (bool causal : {true, false}) {
+        const int64_t B = kTokens / S;
+        AttentionParams p{};
+        p.batch = B;
+        p.seqlen_q = p.seqlen_k = S;
+        p.heads_q = p.heads_kv = H;
+        p.head_dim = D;
+        p.element_type = ElementType::kBFloat16;
+        p.softmax_scale = 1.0f / std::sqrt(float(D));
+        p.causal = causal;
+        p.q = p.k = p.v = qkv;
+        p.o = out;
+        p.lse = out_lse;
+        const double flops = 4.0 * B * H * S * S * D * (causal ? 0.5 : 1.0);
+        float ms[2] = {0, 0};
+        std::vector<uint16_t> o[2];
+        std::vector<float> lse[2];
+        std::string err;
+        for (int mode = 0; mode < 2; ++mode) {
+          setenv("JAX_FLASH_SM90_PERSISTENT", mode ? "1" : "0", 1);
+          CHECK_CUDA(cudaMemset(p.o, 0xFF, n * sizeof(uint16_t)));
+          CHECK_CUDA(cudaMemset(p.lse, 0xFF, nstat * sizeof(float)));
+          err = jax_flash::cuda::run_forward(p, nullptr);
+          if (!err.empty()) break;
+          o[mode] = to_host(static_cast<const uint16_t*>(p.o), n);
+          lse[mode] = to_host(p.lse, nstat);
+          cudaEvent_t start, stop;
+          CHECK_CUDA(cudaEventCreate(&start));
+          CHECK_CUDA(cudaEventCreate(&stop));
+          for (int i = 0; i < 3; ++i) jax_flash::cuda::run_forward(p, nullptr);
+          const int reps = 20;
+          CHECK_CUDA(cudaEventRecord(start));
+          for (int i = 0; i < reps; ++i) jax_flash::cuda::run_forward(p, nullptr);
+          CHECK_CUDA(cudaEventRecord(stop));
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          CHECK_CUDA(cudaEventElapsedTime(&ms[mode], start, stop));
+          ms[mode] /= reps;
+          CHECK_CUDA(cudaEventDestroy(start));
+          CHECK_CUDA(cudaEventDestroy(stop));
+        }
+        CHECK_CUDA(cudaGetLastError());
+        if (!err.empty()) {
+          std::printf("bench fwd d=%lld seqlen=%lld: run_forward: %s  FAIL\n", (long long)D, (long long)S, err.c_str());
+          all_identical = false;
+        } else {
+          const bool identical = o[0] == o[1] && std::memcmp(lse[0].data(), lse[1].data(), nstat * sizeof(float)) == 0;
+          all_identical &= identical;
+          std::printf("bench fwd d=%lld seqlen=%lld b=%lld h=16 causal=%d: per-tile grid %.3f ms %.1f TFLOP/s, "
+                      "persistent %.3f ms %.1f TFLOP/s (x%.3f), outputs bit-identical: %s\n",
+                      (long long)D, (long long)S, (long long)B, causal, ms[0], flops / ms[0] * 1e-9, ms[1],
+                      flops / ms[1] * 1e-9, ms[0] / ms[1], identical ? "yes" : "NO  FAIL");
+        }
+      }
+    }
+    CHECK_CUDA(cudaFree(qkv));
+    CHECK_CUDA(cudaFree(out));
+    CHECK_CUDA(cudaFree(out_lse));
+  }
+  if (saved) {
+    setenv("JAX_FLASH_SM90_PERSISTENT", previous.c_str(), 1);
+  } else {
+    unsetenv("JAX_FLASH_SM90_PERSISTENT");
+  }
+  std::printf("persistent forward bench: %s\n", all_identical ? "all outputs bit-identical" : "FAIL");
+  return all_identical;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool small = false, bench_only = false, sm90_backward = false;
+  bool small = false, bench_only = false, bench_persistent = false, sm90_backward = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     small |= arg == "--small";
     bench_only |= arg == "--bench";
+    bench_persistent |= arg == "--bench-persistent";
     sm90_backward |= arg == "--sm90-backward";
   }
+  if (bench_persistent) return bench_forward_persistent() ? 0 : 1;
   if (bench_only) {
     const char* backward = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
     std::printf("backward family: JAX_FLASH_CUDA_KERNEL_BACKWARD=%s\n", backward ? backward : "(unset: sm80)");
