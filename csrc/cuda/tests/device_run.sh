@@ -7,7 +7,6 @@
 #   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
 #                when the sources and build switches are those of the last build on this (warm) machine
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
-#   check_persistent  the check with the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1)
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
 #   persistent   the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1): both standalone grids with the
 #                grid capped at a few CTAs (each loops over many tiles) and uncapped, the three sanitizers on
@@ -135,7 +134,6 @@ run_stage() {
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
-    check_persistent) stage check_persistent 120 env JAX_FLASH_SM90_PERSISTENT=1 "$check" ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
     f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
                     compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
