@@ -61,20 +61,32 @@ struct SliceMaskBlocks {
   }
 };
 
-JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
+// Block (0, 0) of the summary of slice (b, h); nullptr when the call has no mask or no summary.
+JF_HOST_DEVICE const uint8_t* slice_mask_blocks_origin(const AttentionParams& p, int64_t b, int64_t h) {
+  if (p.mask == nullptr || p.mask_blocks == nullptr) return nullptr;
+  const BroadcastStrides& s = p.mask_blocks_strides;
+  return p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
+}
+
+// The summary of the slice whose block (0, 0) is `origin` (slice_mask_blocks_origin, which a kernel may compute
+// once and keep: it is the only costly part, a 64-bit division).
+JF_HOST_DEVICE SliceMaskBlocks slice_mask_blocks_at(const AttentionParams& p, const uint8_t* origin) {
   SliceMaskBlocks m;
   if (p.mask == nullptr) return m;
   if (p.mask_blocks == nullptr) {
     m.unsummarised = MaskCover::kPartial;
     return m;
   }
-  const BroadcastStrides& s = p.mask_blocks_strides;
-  m.blocks = p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
-  m.query_stride = s.query;
-  m.key_stride = s.key;
+  m.blocks = origin;
+  m.query_stride = p.mask_blocks_strides.query;
+  m.key_stride = p.mask_blocks_strides.key;
   m.query_blocks = mask_blocks_along(p.seqlen_q);
   m.key_blocks = mask_blocks_along(p.seqlen_k);
   return m;
+}
+
+JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
+  return slice_mask_blocks_at(p, slice_mask_blocks_origin(p, b, h));
 }
 
 }  // namespace jax_flash

@@ -78,4 +78,12 @@ JF_HOST_DEVICE int next_unhidden_tile(int tile, int end, Cover const& cover) {
   return tile;
 }
 
+// The last tile in [begin, tile] that the boolean mask does not hide entirely (begin - 1 if none): the same walk for
+// kernels that visit their tiles from last to first.
+template <class Cover>
+JF_HOST_DEVICE int previous_unhidden_tile(int tile, int begin, Cover const& cover) {
+  while (tile >= begin && cover(tile) == MaskCover::kHidden) --tile;
+  return tile;
+}
+
 }  // namespace jax_flash::cuda

@@ -1,8 +1,10 @@
 // FlashAttention-3-style forward for sm_90a. One CTA owns kBlockM query rows of one (batch, head):
 //  - warpgroup 0 is the producer: it gives registers away (setmaxnreg) and one thread issues TMA loads of Q
-//    and of the visible key tiles into a kStages-deep K pipeline and V pipeline (mbarrier transaction counts);
+//    and of the visible key tiles (position masks by range, the boolean mask by its block summary) into a
+//    kStages-deep K pipeline and V pipeline (mbarrier transaction counts);
 //  - each consumer warpgroup owns 64 of the rows: S = Q K^T by WGMMA from shared memory, the shared score
-//    pipeline, an online-softmax step, O += P V by WGMMA with P from registers.
+//    pipeline (general variant: softcap, ALiBi, bias and boolean mask per element, as sm80), an online-softmax step,
+//    O += P V by WGMMA with P from registers.
 // Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
 // runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
 // their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
@@ -17,7 +19,9 @@
 // Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
 // the CTA's non-empty tiles, 0, 1, 2, ...):
 //  - K and V: the producer's write state and each consumer's read state run on across tiles; every round fills
-//    and drains exactly key_tiles.size() stages of each pipeline, so the two stay in step as within one tile.
+//    and drains exactly one stage of each pipeline per key tile of its walk (next_key_tile: all of key_tiles, or in
+//    the general variant those the boolean mask's block summary does not hide), and producer and consumers walk
+//    the same list, so the two stay in step as within one tile.
 //  - q_full (transaction mbarrier, 1 arrival + the Q bytes): phase r completes when round r's Q has landed; the
 //    consumers wait for parity r & 1.
 //  - q_empty (mbarrier, one arrival per consumer thread): phase r completes when no consumer reads or writes round
@@ -70,6 +74,7 @@ struct RowBlock {
   SliceMask mask;
   TileSpan key_tiles;
   TileSpan interior;    // tiles that need no per-element mask
+  const uint8_t* mask_blocks = nullptr;  // general variant: block (0, 0) of the slice's mask summary, or nullptr
 };
 
 // Tile number -> (row block counted from the last, slice = batch * heads_q + head).
@@ -102,15 +107,49 @@ __device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int6
   return rb;
 }
 
-// The forward's tile `tile`, split in 32 bits with the host's TileGrid.
-template <class Traits>
+// How the boolean mask's block summary (common/mask_blocks.h) covers key tile n_block of the row block. Only the
+// general variant can have a mask; the common one sees every tile as visible and compiles none of this.
+template <class Traits, bool kTransforms>
+__device__ MaskCover key_tile_cover(const AttentionParams& p, const RowBlock& rb, int n_block) {
+  if constexpr (kTransforms) {
+    return slice_mask_blocks_at(p, rb.mask_blocks)
+        .template cover<Traits::kBlockM, Traits::kBlockN>(rb.m0, int64_t(n_block) * Traits::kBlockN);
+  } else {
+    return MaskCover::kVisible;
+  }
+}
+
+// The key tile visited after n_block (key tiles run last to first): the previous one that the mask summary does not
+// hide entirely; below rb.key_tiles.begin when none is left. A pure function of the kernel parameters and the row
+// block: the producer and every consumer walk the same list with it, so the producer issues exactly the K and V
+// stages the consumers wait for, in the same order (a hidden tile is neither loaded nor computed).
+template <class Traits, bool kTransforms>
+__device__ __forceinline__ int next_key_tile(const AttentionParams& p, const RowBlock& rb, int n_block) {
+  if constexpr (kTransforms) {
+    if (p.mask != nullptr) {
+      return previous_unhidden_tile(n_block - 1, rb.key_tiles.begin,
+                                    [&](int n) { return key_tile_cover<Traits, true>(p, rb, n); });
+    }
+  }
+  return n_block - 1;
+}
+
+// The forward's tile `tile`, split in 32 bits with the host's TileGrid. In the general variant key_tiles ends after
+// the last key tile the mask summary leaves anything visible in (where every walk starts), so a row block whose
+// every tile is hidden is empty for producer and consumers alike (O = 0, lse = -inf, no load, no barrier phase).
+template <class Traits, bool kTransforms>
 __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
   const TileGrid& grid = args.grid;
   uint32_t block, slice;
   split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, &block, &slice);
   const uint32_t head = slice % grid.heads_q;
-  return make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
-                                int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
+  RowBlock rb = make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
+                                       int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
+  if constexpr (kTransforms) {
+    rb.mask_blocks = slice_mask_blocks_origin(args.p, rb.batch, rb.head);
+    if (!rb.key_tiles.empty()) rb.key_tiles.end = next_key_tile<Traits, true>(args.p, rb, rb.key_tiles.end) + 1;
+  }
+  return rb;
 }
 
 // One CTA per row block, numbered as the forward numbers its tiles (the sm90 dQ pass): tile = blockIdx.x.
@@ -143,7 +182,7 @@ __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, i
 
 // Producer, one tile (round `round` of this CTA): the first K, then Q once the previous round freed Q's buffer,
 // then the rest of K and V. `write` carries the pipelines' position from tile to tile.
-template <class Traits>
+template <class Traits, bool kTransforms>
 __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
                           typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                           typename Traits::PipelineState& write, int round) {
@@ -192,7 +231,8 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
   load_v(n_block);
   ++write;
-  for (--n_block; n_block >= rb.key_tiles.begin; --n_block) {
+  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block)) {
     load_k(n_block);
     load_v(n_block);
     ++write;
@@ -200,15 +240,15 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
 }
 
 // Producer: one thread issues every TMA load of the CTA, for each of its non-empty tiles in turn.
-template <class Traits>
+template <class Traits, bool kTransforms>
 __device__ void produce(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
                         typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   int round = 0;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
-    const RowBlock rb = locate_tile<Traits>(args, tile);
+    const RowBlock rb = locate_tile<Traits, kTransforms>(args, tile);
     if (rb.key_tiles.empty()) continue;
-    load_tile<Traits>(args, rb, smem, pipeline_k, pipeline_v, write, round);
+    load_tile<Traits, kTransforms>(args, rb, smem, pipeline_k, pipeline_v, write, round);
     ++round;
   }
 }
@@ -284,7 +324,11 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   // Scores of tile n_block in place: raw dots -> masked / transformed scores.
   auto score = [&](auto& acc_s, int n_block) {
     auto view = sm80_view(acc_s);
-    const auto scorer = sm80::ScoreTile<kTransforms>::make(p, rb.batch, rb.head);
+    bool read_boolean_mask = true;
+    if constexpr (kTransforms) {  // a tile whose mask blocks are all visible reads no mask element
+      read_boolean_mask = key_tile_cover<Traits, kTransforms>(p, rb, n_block) != MaskCover::kVisible;
+    }
+    const auto scorer = sm80::ScoreTile<kTransforms>::make(p, rb.batch, rb.head, read_boolean_mask);
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
       scorer.template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
     } else {
@@ -324,7 +368,8 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   ++read;
 
   // Steady state: S of tile n with P V of tile n + 1 (the previous one) in flight.
-  for (--n_block; n_block >= rb.key_tiles.begin; --n_block) {
+  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block)) {
     wait_turn();
     pipeline_k.consumer_wait(read);
     issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
@@ -412,7 +457,7 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
                                        int group) {
   ConsumerProgress<Traits> progress;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {
-    const RowBlock rb = locate_tile<Traits>(args, tile);
+    const RowBlock rb = locate_tile<Traits, kTransforms>(args, tile);
     if (rb.key_tiles.empty()) {
       store_empty_rows<Traits>(args.p, rb, threadIdx.x - 128);
       continue;
@@ -449,7 +494,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x == 0) produce<Traits>(args, smem, pipeline_k, pipeline_v);
+    if (threadIdx.x == 0) produce<Traits, kTransforms>(args, smem, pipeline_k, pipeline_v);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     consume<Traits, kTransforms>(args, smem, pipeline_k, pipeline_v, warp_group - 1);
