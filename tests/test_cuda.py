@@ -357,12 +357,18 @@ def test_padding_mask(dtype):
     check_gradients_on_gpu(case, mask=mask)
 
 
+def _mask_with_blind_rows_and_tiles(case: Case):
+    """Random [B, 1, Sq, Sk]: row 5 of batch row 0 and rows 140.. of batch row 1 see nothing, keys 64..139 are hidden
+    from rows < 100 (whole hidden key tiles)."""
+    i, j = jnp.arange(case.seqlen_q)[:, None], jnp.arange(case.seqlen_k)[None, :]
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, case.seqlen_q, case.seqlen_k))
+    return (mask & ((j < 64) | (j >= 140) | (i >= 100))).at[0, :, 5].set(False).at[1, :, 140:].set(False)
+
+
 def test_mask_with_fully_masked_rows_and_tiles():
     """A random mask with rows that see nothing (o = 0, lse = -inf, finite gradients) and whole hidden key tiles."""
     case = DENSE_CASE
-    i, j = jnp.arange(case.seqlen_q)[:, None], jnp.arange(case.seqlen_k)[None, :]
-    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, case.seqlen_q, case.seqlen_k))
-    mask = (mask & ((j < 64) | (j >= 140) | (i >= 100))).at[0, :, 5].set(False).at[1, :, 140:].set(False)
+    mask = _mask_with_blind_rows_and_tiles(case)
     kwargs = dict(mask=mask, causal=True)
     check_forward_on_gpu(case, **kwargs)
     q, k, v = _on(GPUS[0], *case.inputs())
@@ -508,6 +514,124 @@ def test_deterministic_dbias_is_bit_identical(shape):
             np.testing.assert_array_equal(a, b)
     atomic = _grads_with_bias(q, k, v, d_o, bias, **kwargs)[3]
     np.testing.assert_allclose(np.asarray(atomic), runs[0][3], rtol=1e-4, atol=1e-4)
+
+
+# The sm90 forward with an additive bias and/or a boolean mask (experimental): taken only with JAX_FLASH_SM90_DENSE=1.
+# Forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90) so that a refusal fails the test; same references as the sm80 tests.
+def use_sm90_dense(monkeypatch, head_dim: int):
+    use_forward_kernel(monkeypatch, "sm90", head_dim)
+    monkeypatch.setenv("JAX_FLASH_SM90_DENSE", "1")
+
+
+@pytest.mark.parametrize("shape", GPU_BIAS_SHAPES, ids=str)
+def test_sm90_dense_bias_forward(shape, monkeypatch):
+    use_sm90_dense(monkeypatch, DENSE_CASE.head_dim)
+    bias = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+    check_forward_on_gpu(DENSE_CASE, bias=bias, causal=True)
+    check_forward_on_gpu(DENSE_CASE, bias=bias, window_size=(120, 40))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_sm90_dense_padding_mask_and_gradients(dtype, monkeypatch):
+    """The backward (sm80) takes the sm90 forward's o and lse."""
+    use_sm90_dense(monkeypatch, 64)
+    case = Case(**{**DENSE_CASE.__dict__, "dtype": dtype})
+    mask = _padding_mask([203, 90], case.seqlen_k)
+    check_forward_on_gpu(case, mask=mask)
+    check_gradients_on_gpu(case, mask=mask)
+
+
+@pytest.mark.parametrize("persistent", ("0", "1"), ids=("per_tile", "persistent"))
+def test_sm90_dense_mask_with_fully_masked_rows_and_tiles(persistent, monkeypatch):
+    use_sm90_dense(monkeypatch, DENSE_CASE.head_dim)
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", persistent)
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "3")  # persistent: each CTA loops over several tiles
+    case = DENSE_CASE
+    mask = _mask_with_blind_rows_and_tiles(case)
+    check_forward_on_gpu(case, mask=mask, causal=True)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, **_gpu_kwargs(dict(mask=mask, causal=True)))
+    assert np.all(np.isneginf(np.asarray(lse)[0, :, 5])) and np.all(np.asarray(o.astype(jnp.float32))[0, 5] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[1, :, 140:]))
+    assert np.all(np.isfinite(np.asarray(o.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("persistent", ("0", "1"), ids=("per_tile", "persistent"))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("shape", tuple(MASK_BLOCK_SHAPES), ids=str)
+def test_sm90_dense_mask_block_skipping(head_dim, shape, persistent, monkeypatch):
+    """Hidden key tiles skipped by producer and consumers alike, whole row blocks that see nothing (o = 0,
+    lse = -inf), a bias on top; per-tile grid and a persistent grid of 3 CTAs."""
+    use_sm90_dense(monkeypatch, head_dim)
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", persistent)
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "3")
+    case = Case(batch=2, seqlen_q=300, seqlen_k=520, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim)
+    mask = block_structured_mask(MASK_BLOCK_SHAPES[shape], seed=head_dim, region=128)
+    if shape == "per_head":  # a 128-row block (one sm90 tile) of one head that sees nothing
+        mask = mask.at[1, 2, 128:256].set(False)
+    bias = jax.random.normal(jax.random.key(head_dim), (4, 1, 520), jnp.float32)
+    for kwargs in (dict(mask=mask, causal=shape == "per_head"), dict(mask=mask, bias=bias)):
+        check_forward_on_gpu(case, **kwargs)
+        q, k, v = _on(GPUS[0], *case.inputs())
+        o, lse = jax_flash.attention(q, k, v, return_lse=True, **_gpu_kwargs(kwargs))
+        _, lse_ref = oracle(*case.inputs(), **kwargs)
+        blind = np.isneginf(lse_ref)
+        assert blind.any() or shape == "key_padding"
+        assert np.all(np.isneginf(np.asarray(lse)[blind]))
+        assert np.all(np.asarray(o.astype(jnp.float32)).transpose(0, 2, 1, 3)[blind] == 0)
+
+
+def test_sm90_dense_bias_mask_softcap_alibi_gqa_fp16(monkeypatch):
+    use_sm90_dense(monkeypatch, 128)
+    case = Case(batch=2, seqlen_q=77, seqlen_k=130, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.float16, seed=5)
+    bias = jax.random.normal(jax.random.key(3), (8, 77, 130), jnp.float32)
+    kwargs = dict(softcap=4.0, alibi_slopes=jnp.linspace(0.05, 0.4, 8, dtype=jnp.float32),
+                  mask=_padding_mask([130, 70], case.seqlen_k))
+    check_forward_on_gpu(case, bias=bias, **kwargs)
+
+
+def test_sm90_dense_matches_sm80_closely(monkeypatch):
+    """Automatic choice with the opt-in (sm90) against sm80 on a long padding-mask call: many key tiles, whole
+    hidden tiles at the end of the short batch row."""
+    if not _is_hopper():
+        pytest.skip("needs a compute capability 9.x GPU")
+    case = Case(batch=2, seqlen_q=1100, seqlen_k=1500, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
+                seed=17)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    kwargs = _gpu_kwargs(dict(mask=_padding_mask([1500, 600], case.seqlen_k)))
+    results = {}
+    for kernel, dense in (("sm80", "0"), ("auto", "1")):
+        monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
+        monkeypatch.setenv("JAX_FLASH_SM90_DENSE", dense)
+        o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+        results[kernel] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+    np.testing.assert_allclose(results["auto"][0], results["sm80"][0], atol=2e-2)
+    np.testing.assert_allclose(results["auto"][1], results["sm80"][1], atol=1e-3)
+    check_forward_on_gpu(case, mask=kwargs["mask"])  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result
+
+
+@pytest.mark.parametrize("dense", ("bias", "mask"))
+def test_sm90_dense_needs_the_opt_in(dense, monkeypatch):
+    """Forced sm90 without JAX_FLASH_SM90_DENSE=1 refuses a bias/mask call, naming the variable; dropout is refused
+    even with it; a bad value is an error."""
+    if not _is_hopper():
+        pytest.skip("needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", "sm90")
+    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
+    case = DENSE_CASE
+    q, k, v = _on(GPUS[0], *case.inputs())
+    kwargs = (dict(bias=jax.random.normal(jax.random.key(1), (4, 150, 203), jnp.float32)) if dense == "bias"
+              else dict(mask=_padding_mask([203, 90], case.seqlen_k)))
+    kwargs = _gpu_kwargs(kwargs)
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_DENSE"):
+        jax.block_until_ready(jax_flash.attention(q, k, v, **kwargs))
+    monkeypatch.setenv("JAX_FLASH_SM90_DENSE", "1")
+    with pytest.raises(Exception, match="dropout"):
+        jax.block_until_ready(jax_flash.attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(2), **kwargs))
+    monkeypatch.setenv("JAX_FLASH_SM90_DENSE", "yes")
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_DENSE must be 0 or 1"):
+        jax.block_until_ready(jax_flash.attention(q, k, v, **kwargs))
 
 
 # float32 inputs (issue #10): "highest" (exact SIMT FMA) within 1e-5 of the float64 reference, relative to the

@@ -125,12 +125,24 @@ int current_device_major() {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Empty when the sm90 forward kernel can run this call, else why not.
-std::string sm90_forward_refusal(const AttentionParams& p) {
+// JAX_FLASH_SM90_DENSE (read at every call): "1" lets the sm90 forward take calls with an additive bias and/or a
+// boolean mask (its general variant; experimental, not yet validated on a GPU); unset, "" or "0" leaves them on sm80.
+std::string sm90_dense_switch(bool* enabled) {
+  const char* env = std::getenv("JAX_FLASH_SM90_DENSE");
+  const std::string value = env ? env : "";
+  *enabled = value == "1";
+  if (value != "" && value != "0" && value != "1") return "JAX_FLASH_SM90_DENSE must be 0 or 1, not '" + value + "'";
+  return {};
+}
+
+// Empty when the sm90 forward kernel can run this call, else why not. dense: JAX_FLASH_SM90_DENSE=1.
+std::string sm90_forward_refusal(const AttentionParams& p, bool dense) {
   if (sm90_head_dim(p.head_dim) == 0) return "this build has no sm_90a kernel for head_dim " + std::to_string(p.head_dim);
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f) {
-    return "bias, mask and dropout run on the sm80 kernel only";
+  if (p.dropout_rate > 0.0f) return "dropout runs on the sm80 kernel only";
+  if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
+    return "bias and mask run on the sm80 kernel only (JAX_FLASH_SM90_DENSE=1 lets the sm90 forward take them; "
+           "experimental)";
   }
   // TMA: 16-byte aligned base addresses and row strides.
   if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";
@@ -230,9 +242,11 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
       return f32::launch_forward<decltype(dim)::value>(p, stream);
     });
   }
+  bool dense = false;
+  if (std::string err = sm90_dense_switch(&dense); !err.empty()) return err;
   bool use_sm90 = false;
   if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL", "sm90 kernel", /*unset_means_auto=*/true,
-                                    [&] { return sm90_forward_refusal(p); }, &use_sm90);
+                                    [&] { return sm90_forward_refusal(p, dense); }, &use_sm90);
       !err.empty()) {
     return err;
   }

@@ -12,6 +12,9 @@
 #                grid capped at a few CTAs (each loops over many tiles) and uncapped, the three sanitizers on
 #                `--small` capped at 2 CTAs        persistent_bench  --bench-persistent (per-tile vs persistent timing,
 #                bit-identical outputs)
+#   dense90      (experimental) JAX_FLASH_SM90_DENSE=1: the standalone grid with bias/mask cases forced through the
+#                sm90 forward, per-tile and persistent (3 CTAs), and the three sanitizers on `--small` both ways
+#                dense90_bench  --bench (its padding-mask row times the forward with JAX_FLASH_SM90_DENSE=0 and =1)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
@@ -104,6 +107,23 @@ persistent() {
   return $rc
 }
 
+dense90() {
+  local tool persistent rc=0
+  export JAX_FLASH_SM90_DENSE=1
+  echo "== check JAX_FLASH_SM90_DENSE=1"
+  "$check" || rc=1
+  echo "== check JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3"
+  JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3 "$check" || rc=1
+  for tool in memcheck racecheck synccheck; do
+    for persistent in 0 1; do
+      echo "== $tool --small JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=$persistent (CTAS=2)"
+      JAX_FLASH_SM90_PERSISTENT=$persistent JAX_FLASH_SM90_PERSISTENT_CTAS=2 \
+        compute-sanitizer --tool $tool --error-exitcode 3 "$check" --small 2>&1 | tail -n 4 || rc=1
+    done
+  done
+  return $rc
+}
+
 bench_cuda() {
   local family
   for family in sm80 sm90; do
@@ -125,6 +145,8 @@ run_stage() {
     sanitize) stage sanitize 240 sanitize ;;
     persistent) stage persistent 300 persistent ;;
     persistent_bench) stage persistent_bench 120 "$check" --bench-persistent ;;
+    dense90) stage dense90 360 dense90 ;;
+    dense90_bench) stage dense90_bench 90 "$check" --bench ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;

@@ -9,6 +9,10 @@
 //                               modes' outputs are bit-identical
 //   The sm90 forward's persistent mode over the case grid: JAX_FLASH_SM90_PERSISTENT=1, plus
 //   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) so that small cases loop over many tiles per CTA.
+//   JAX_FLASH_SM90_DENSE=1 standalone_check [--small]
+//                               (experimental) on a 9.x GPU, each case with a bias and/or mask but no dropout runs
+//                               its forward forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90: a refusal fails the case);
+//                               --bench then also times the padding-mask forward both ways
 //   standalone_check --sm90-backward [--small]
 //                               the Hopper backward (experimental): a grid aimed at it, each case's backward forced
 //                               to sm90 where it applies (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, so a refusal fails the
@@ -59,6 +63,7 @@ struct Case {
   int bias = 0;              // 0: none, 1: full [B, Hq, Sq, Sk], 2: [1, Hq, 1, Sk] (broadcast: dbias sums)
   bool dense_mask = false;   // random boolean mask [B, 1, Sq, Sk] with a fully masked row, and its block summary
   bool mask_blocks = false;  // dense_mask with whole regions hidden or visible, padded key tails, a blind row block
+  int64_t blind_rows = 0;    // mask_blocks: the last batch row's first blind_rows rows see nothing (whole tiles)
   float dropout_rate = 0.0f;
 };
 
@@ -263,7 +268,7 @@ bool report_lse(const std::vector<double>& ref, const std::vector<float>& got) {
 
 // A [B, 1, Sq, Sk] mask, 4 in 5 elements visible at random. With c.mask_blocks, regions of 256 rows x 128 keys
 // (whole tiles of every kernel) are in turn hidden, visible and random; batch row b hides its last b * Sk / 2B keys
-// (key padding); the last batch row's rows 64..127 see nothing.
+// (key padding); the last batch row's rows 64..127 (and its first c.blind_rows) see nothing.
 std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng) {
   const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k;
   std::vector<uint8_t> mask(B * Sq * Sk);
@@ -272,7 +277,8 @@ std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng) {
       for (int64_t j = 0; j < Sk; ++j) {
         uint8_t& m = mask[(b * Sq + i) * Sk + j];
         const int64_t region = (i / 256 + j / 128) % 3;
-        if (c.mask_blocks && (j >= Sk - b * Sk / (2 * B) || (b == B - 1 && i / 64 == 1) || region == 0)) {
+        if (c.mask_blocks && (j >= Sk - b * Sk / (2 * B) || (b == B - 1 && (i / 64 == 1 || i < c.blind_rows)) ||
+                              region == 0)) {
           m = 0;
         } else if (c.mask_blocks && region == 1) {
           m = 1;
@@ -313,6 +319,47 @@ jax_flash::BroadcastStrides summary_strides(int64_t B, int64_t Sq, int64_t Sk) {
   const int64_t nq = jax_flash::mask_blocks_along(Sq), nk = jax_flash::mask_blocks_along(Sk);
   return {B * nq * nk, B == 1 ? 0 : nq * nk, 0, nq == 1 ? 0 : nk, nk == 1 ? 0 : 1};
 }
+
+bool device_is_hopper() {
+  int device = 0, major = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major == 9;
+}
+
+// Whether this case's forward is forced to the sm90 kernel: with JAX_FLASH_SM90_DENSE=1 (experimental) on a 9.x
+// GPU, every case with a bias and/or mask that the sm90 forward can take (dispatch.cu sm90_forward_refusal: no
+// dropout, head_dim a multiple of 8 and at most 256).
+bool sm90_dense_forward(const Case& c) {
+  const char* dense = std::getenv("JAX_FLASH_SM90_DENSE");
+  if (dense == nullptr || std::string(dense) != "1") return false;
+  static const bool hopper = device_is_hopper();
+  return hopper && (c.bias != 0 || c.dense_mask) && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 &&
+         c.head_dim <= 256 && c.seqlen_k > 0;
+}
+
+// JAX_FLASH_CUDA_KERNEL=sm90 for one run_forward call when `force`, the caller's setting back by restore().
+struct ForcedForward {
+  bool force;
+  bool had = false;
+  std::string previous;
+  explicit ForcedForward(bool force_sm90) : force(force_sm90) {
+    if (!force) return;
+    const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL");
+    had = env != nullptr;
+    previous = env ? env : "";
+    setenv("JAX_FLASH_CUDA_KERNEL", "sm90", 1);
+    std::printf("    [forward: sm90, JAX_FLASH_SM90_DENSE=1]\n");
+  }
+  void restore() const {
+    if (!force) return;
+    if (had) {
+      setenv("JAX_FLASH_CUDA_KERNEL", previous.c_str(), 1);
+    } else {
+      unsetenv("JAX_FLASH_CUDA_KERNEL");
+    }
+  }
+};
 
 bool run_case(const Case& c, std::mt19937& rng) {
   const ElementType t = c.type;
@@ -406,7 +453,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.v = to_device(v.bits);
   p.o = poisoned<uint16_t>(nq);
   p.lse = poisoned<float>(nstat);
+  const ForcedForward forced(sm90_dense_forward(c));
   std::string err = jax_flash::cuda::run_forward(p, nullptr);
+  forced.restore();
   if (!err.empty()) {
     std::printf("    run_forward: %s  FAIL\n", err.c_str());
     return false;
@@ -490,7 +539,19 @@ std::vector<Case> case_grid(bool small) {
        .dropout_rate = 0.1f});
   add({.name = "mask blocks (skipped tiles) GQA", .batch = 2, .seqlen_q = 300, .seqlen_k = 333, .heads_q = 4,
        .heads_kv = 2, .dense_mask = true, .mask_blocks = true});
+  // Bias and mask without dropout (the sm90 forward takes these with JAX_FLASH_SM90_DENSE=1).
+  add({.name = "full bias GQA d=128", .batch = 2, .seqlen_q = 300, .seqlen_k = 257, .heads_q = 4, .heads_kv = 2,
+       .head_dim = 128, .bias = 1});
+  add({.name = "broadcast bias + blind row blocks + seqlens", .batch = 2, .seqlen_q = 400, .seqlen_k = 333,
+       .heads_q = 4, .heads_kv = 2, .seqlens = true, .bias = 2, .dense_mask = true, .mask_blocks = true,
+       .blind_rows = 256});
   if (small) return cases;
+  add({.name = "causal + mask + bias + softcap d=128 blind", .batch = 3, .seqlen_q = 640, .seqlen_k = 700,
+       .heads_q = 4, .heads_kv = 1, .head_dim = 128, .causal = true, .softcap = 8.0f, .input_scale = 2.0f,
+       .bias = 2, .dense_mask = true, .mask_blocks = true, .blind_rows = 384});
+  add({.name = "full bias + mask d=256 fp16 window", .batch = 2, .seqlen_q = 300, .seqlen_k = 520, .heads_q = 2,
+       .heads_kv = 1, .head_dim = 256, .type = ElementType::kFloat16, .window_left = 200, .window_right = 100,
+       .bias = 1, .dense_mask = true, .mask_blocks = true, .blind_rows = 128});
   add({.name = "mask blocks d=128 causal fp16", .batch = 3, .seqlen_q = 520, .seqlen_k = 700, .heads_q = 2,
        .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16, .causal = true, .dense_mask = true,
        .mask_blocks = true});
@@ -586,6 +647,46 @@ bool sm90_backward_applies(const Case& c) {
          c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
+// The padding-mask forward timed with JAX_FLASH_SM90_DENSE=0 (sm80) and =1 (experimental: the sm90 forward takes
+// the mask); O and lse of both runs are compared.
+template <class TimeMs>
+void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_ms) {
+  const size_t n = p.batch * p.seqlen_q * p.heads_q * p.head_dim, nstat = p.batch * p.heads_q * p.seqlen_q;
+  const char* saved = std::getenv("JAX_FLASH_SM90_DENSE");
+  const std::string previous = saved ? saved : "";
+  std::vector<uint16_t> o[2];
+  std::vector<float> lse[2];
+  std::string err;
+  float ms[2] = {0.0f, 0.0f};
+  for (int dense = 0; dense < 2 && err.empty(); ++dense) {
+    setenv("JAX_FLASH_SM90_DENSE", dense ? "1" : "0", 1);
+    CHECK_CUDA(cudaMemset(p.o, 0xFF, n * sizeof(uint16_t)));
+    err = jax_flash::cuda::run_forward(p, nullptr);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    o[dense] = to_host(static_cast<const uint16_t*>(p.o), n);
+    lse[dense] = to_host(p.lse, nstat);
+    if (err.empty()) ms[dense] = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
+  }
+  if (saved) {
+    setenv("JAX_FLASH_SM90_DENSE", previous.c_str(), 1);
+  } else {
+    unsetenv("JAX_FLASH_SM90_DENSE");
+  }
+  if (!err.empty()) {
+    std::printf("bench padding-mask fwd, JAX_FLASH_SM90_DENSE=1: run_forward: %s\n", err.c_str());
+    return;
+  }
+  // Different kernels (sm80 vs sm90): close, not bit-identical. Largest |difference| of O and of the finite lse.
+  double o_diff = 0, lse_diff = 0;
+  for (size_t i = 0; i < n; ++i) {
+    o_diff = std::max(o_diff, double(std::fabs(from_bits(o[0][i], p.element_type) - from_bits(o[1][i], p.element_type))));
+  }
+  for (size_t i = 0; i < nstat; ++i) lse_diff = std::max(lse_diff, double(std::fabs(lse[0][i] - lse[1][i])));
+  std::printf("bench d=128 seqlen=4096 b=4 h=16 padding_mask=1 fwd: JAX_FLASH_SM90_DENSE=0 %.3f ms %.1f TFLOP/s, "
+              "JAX_FLASH_SM90_DENSE=1 %.3f ms %.1f TFLOP/s (x%.2f); max |dO| %.2e, max |dlse| %.2e\n",
+              ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[0] / ms[1], o_diff, lse_diff);
+}
+
 // fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
 // with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
 // FLOPs are counted as without it).
@@ -646,6 +747,7 @@ void bench() {
     const float bwd_deterministic = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = false;
     CHECK_CUDA(cudaGetLastError());
+    if (padding_mask) bench_dense_forward(p, flops, time_ms);
     std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
                 "%.1f TFLOP/s, bwd deterministic %.3f ms %.1f TFLOP/s\n",
                 causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_deterministic,
