@@ -85,6 +85,56 @@ JF_HOST_DEVICE SliceMaskBlocks slice_mask_blocks_at(const AttentionParams& p, co
   return m;
 }
 
+// The summary row of one query tile, for a kernel that walks many key tiles of it with few registers (the sm90
+// forward's producer): built once per query tile, then each key tile's cover is what SliceMaskBlocks::cover says
+// for the same tile, from at most four byte loads at 32-bit offsets (a summary has one byte per 64 x 64 mask
+// elements, so a slice's summary lies far below 2^31 bytes). Query tiles of at most two blocks.
+struct QueryTileMaskBlocks {
+  const uint8_t* first = nullptr;  // the tile's first query block, key block 0; nullptr: no summary
+  // Bytes to the tile's second query block; 0 where it has none inside the sequence or the summary broadcasts
+  // queries: the first block is then read twice, which changes neither the least nor the most byte.
+  int query_step = 0;
+
+  // The query tile of kRows rows at row0 (a multiple of kRows) of the slice whose summary starts at slice_origin
+  // (slice_mask_blocks_origin).
+  template <int kRows>
+  JF_HOST_DEVICE static QueryTileMaskBlocks make(const AttentionParams& p, const uint8_t* slice_origin, int64_t row0) {
+    static_assert(kRows % kMaskBlock == 0 || kMaskBlock % kRows == 0);
+    static_assert(kRows <= 2 * kMaskBlock, "the tile's second query block is read at first + query_step");
+    QueryTileMaskBlocks t;
+    const SliceMaskBlocks slice = slice_mask_blocks_at(p, slice_origin);
+    if (slice.blocks == nullptr) return t;
+    const int64_t q0 = row0 / kMaskBlock;
+    t.first = slice.blocks + q0 * slice.query_stride;
+    if (kRows > kMaskBlock && q0 + 1 < slice.query_blocks) t.query_step = static_cast<int>(slice.query_stride);
+    return t;
+  }
+
+  // How the mask covers the key tile of kCols keys at col0 (a multiple of kCols) in this query tile.
+  template <int kCols>
+  JF_HOST_DEVICE MaskCover cover(const AttentionParams& p, int64_t col0) const {
+    static_assert(kCols % kMaskBlock == 0 || kMaskBlock % kCols == 0);
+    constexpr int kBlocksK = kCols > kMaskBlock ? kCols / kMaskBlock : 1;
+    if (p.mask == nullptr) return MaskCover::kVisible;
+    if (first == nullptr) return MaskCover::kPartial;  // a mask without a summary: read it, skip nothing
+    const int key_blocks = static_cast<int>(mask_blocks_along(p.seqlen_k));
+    const int key_stride = static_cast<int>(p.mask_blocks_strides.key);
+    const int k0 = static_cast<int>(col0 / kMaskBlock);
+    unsigned least = 2, most = 0;
+    for (int kb = 0; kb < kBlocksK; ++kb) {
+      if (k0 + kb < key_blocks) {
+        const uint8_t* block = first + (k0 + kb) * key_stride;
+        const unsigned a = block[0], b = block[query_step];
+        const unsigned low = a < b ? a : b, high = a > b ? a : b;
+        least = low < least ? low : least;
+        most = high > most ? high : most;
+      }
+    }
+    if (most == 0) return MaskCover::kHidden;
+    return least >= 2 ? MaskCover::kVisible : MaskCover::kPartial;
+  }
+};
+
 JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
   return slice_mask_blocks_at(p, slice_mask_blocks_origin(p, b, h));
 }

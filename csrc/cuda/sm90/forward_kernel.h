@@ -74,7 +74,7 @@ struct RowBlock {
   SliceMask mask;
   TileSpan key_tiles;
   TileSpan interior;    // tiles that need no per-element mask
-  const uint8_t* mask_blocks = nullptr;  // general variant: block (0, 0) of the slice's mask summary, or nullptr
+  QueryTileMaskBlocks mask_blocks;  // general variant: row_block_mask_blocks (used by the producer)
 };
 
 // Tile number -> (row block counted from the last, slice = batch * heads_q + head).
@@ -107,13 +107,20 @@ __device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int6
   return rb;
 }
 
-// How the boolean mask's block summary (common/mask_blocks.h) covers key tile n_block of the row block. Only the
-// general variant can have a mask; the common one sees every tile as visible and compiles none of this.
+// The row block's row of the boolean mask's block summary (common/mask_blocks.h). The producer keeps it in its
+// RowBlock; the consumers rebuild it where they use it, between their GEMM issues, rather than holding it through
+// the score pipeline, where every register is taken. One function, so both see the same covers.
+template <class Traits>
+__device__ QueryTileMaskBlocks row_block_mask_blocks(const AttentionParams& p, const RowBlock& rb) {
+  return QueryTileMaskBlocks::make<Traits::kBlockM>(p, slice_mask_blocks_origin(p, rb.batch, rb.head), rb.m0);
+}
+
+// How the boolean mask covers key tile n_block of the row block whose summary row is `blocks`. Only the general
+// variant can have a mask; the common one sees every tile as visible and compiles none of this.
 template <class Traits, bool kTransforms>
-__device__ MaskCover key_tile_cover(const AttentionParams& p, const RowBlock& rb, int n_block) {
+__device__ MaskCover key_tile_cover(const AttentionParams& p, const QueryTileMaskBlocks& blocks, int n_block) {
   if constexpr (kTransforms) {
-    return slice_mask_blocks_at(p, rb.mask_blocks)
-        .template cover<Traits::kBlockM, Traits::kBlockN>(rb.m0, int64_t(n_block) * Traits::kBlockN);
+    return blocks.template cover<Traits::kBlockN>(p, int64_t(n_block) * Traits::kBlockN);
   } else {
     return MaskCover::kVisible;
   }
@@ -124,11 +131,12 @@ __device__ MaskCover key_tile_cover(const AttentionParams& p, const RowBlock& rb
 // block: the producer and every consumer walk the same list with it, so the producer issues exactly the K and V
 // stages the consumers wait for, in the same order (a hidden tile is neither loaded nor computed).
 template <class Traits, bool kTransforms>
-__device__ __forceinline__ int next_key_tile(const AttentionParams& p, const RowBlock& rb, int n_block) {
+__device__ __forceinline__ int next_key_tile(const AttentionParams& p, const RowBlock& rb,
+                                             const QueryTileMaskBlocks& blocks, int n_block) {
   if constexpr (kTransforms) {
     if (p.mask != nullptr) {
       return previous_unhidden_tile(n_block - 1, rb.key_tiles.begin,
-                                    [&](int n) { return key_tile_cover<Traits, true>(p, rb, n); });
+                                    [&](int n) { return key_tile_cover<Traits, true>(p, blocks, n); });
     }
   }
   return n_block - 1;
@@ -146,8 +154,11 @@ __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) 
   RowBlock rb = make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
                                        int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
   if constexpr (kTransforms) {
-    rb.mask_blocks = slice_mask_blocks_origin(args.p, rb.batch, rb.head);
-    if (!rb.key_tiles.empty()) rb.key_tiles.end = next_key_tile<Traits, true>(args.p, rb, rb.key_tiles.end) + 1;
+    const AttentionParams& p = args.p;
+    rb.mask_blocks = row_block_mask_blocks<Traits>(p, rb);
+    if (!rb.key_tiles.empty()) {
+      rb.key_tiles.end = next_key_tile<Traits, true>(p, rb, rb.mask_blocks, rb.key_tiles.end) + 1;
+    }
   }
   return rb;
 }
@@ -231,8 +242,8 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
   load_v(n_block);
   ++write;
-  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block); n_block >= rb.key_tiles.begin;
-       n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block)) {
+  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kTransforms>(p, rb, rb.mask_blocks, n_block)) {
     load_k(n_block);
     load_v(n_block);
     ++write;
@@ -321,13 +332,27 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   };
   static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
 
-  // Scores of tile n_block in place: raw dots -> masked / transformed scores.
-  auto score = [&](auto& acc_s, int n_block) {
-    auto view = sm80_view(acc_s);
-    bool read_boolean_mask = true;
-    if constexpr (kTransforms) {  // a tile whose mask blocks are all visible reads no mask element
-      read_boolean_mask = key_tile_cover<Traits, kTransforms>(p, rb, n_block) != MaskCover::kVisible;
+  // Whether tile n_block reads mask elements (general variant: not where its mask blocks are all visible). Evaluated
+  // before the tile's GEMMs are issued, while the score accumulators hold nothing: during the score pipeline every
+  // register is taken (the loads cannot move past the turn barrier's memory clobber).
+  auto mask_blocks = [&] {
+    if constexpr (kTransforms) {
+      return row_block_mask_blocks<Traits>(p, rb);
+    } else {
+      return QueryTileMaskBlocks{};
     }
+  };
+  auto reads_mask = [&](int n_block) {
+    if constexpr (kTransforms) {
+      return key_tile_cover<Traits, kTransforms>(p, mask_blocks(), n_block) != MaskCover::kVisible;
+    } else {
+      return true;
+    }
+  };
+
+  // Scores of tile n_block in place: raw dots -> masked / transformed scores.
+  auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
+    auto view = sm80_view(acc_s);
     const auto scorer = sm80::ScoreTile<kTransforms>::make(p, rb.batch, rb.head, read_boolean_mask);
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
       scorer.template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
@@ -346,6 +371,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
 
   // First tile: S only.
   int n_block = rb.key_tiles.end - 1;
+  bool read_boolean_mask = reads_mask(n_block);
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
   wait_turn();
   pipeline_k.consumer_wait(read);
@@ -353,7 +379,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   pass_turn(false);
   warpgroup_wait<0>();
   pipeline_k.consumer_release(read);
-  score(acc_s, n_block);
+  score(acc_s, n_block, read_boolean_mask);
   float correction[kRows];
   softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
   Tensor probs = make_tensor_like<T>(acc_s);
@@ -368,8 +394,9 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   ++read;
 
   // Steady state: S of tile n with P V of tile n + 1 (the previous one) in flight.
-  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block); n_block >= rb.key_tiles.begin;
-       n_block = next_key_tile<Traits, kTransforms>(p, rb, n_block)) {
+  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, mask_blocks(), n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kTransforms>(p, rb, mask_blocks(), n_block)) {
+    read_boolean_mask = reads_mask(n_block);
     wait_turn();
     pipeline_k.consumer_wait(read);
     issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
@@ -378,7 +405,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
     pass_turn(false);
     warpgroup_wait<1>();  // S is ready; P V may still run
     pipeline_k.consumer_release(read);
-    score(acc_s, n_block);
+    score(acc_s, n_block, read_boolean_mask);
     softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
     warpgroup_wait<0>();  // P V retired: its V stage and the probability registers are free
     pipeline_v.consumer_release(previous);
