@@ -679,7 +679,8 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
   // Different kernels (sm80 vs sm90): close, not bit-identical. Largest |difference| of O and of the finite lse.
   double o_diff = 0, lse_diff = 0;
   for (size_t i = 0; i < n; ++i) {
-    o_diff = std::max(o_diff, double(std::fabs(from_bits(o[0][i], p.element_type) - from_bits(o[1][i], p.element_type))));
+    const float diff = from_bits(o[0][i], p.element_type) - from_bits(o[1][i], p.element_type);
+    o_diff = std::max(o_diff, double(std::fabs(diff)));
   }
   for (size_t i = 0; i < nstat; ++i) lse_diff = std::max(lse_diff, double(std::fabs(lse[0][i] - lse[1][i])));
   std::printf("bench d=128 seqlen=4096 b=4 h=16 padding_mask=1 fwd: JAX_FLASH_SM90_DENSE=0 %.3f ms %.1f TFLOP/s, "
