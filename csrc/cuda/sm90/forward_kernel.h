@@ -332,9 +332,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   };
   static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
 
-  // Whether tile n_block reads mask elements (general variant: not where its mask blocks are all visible). Evaluated
-  // before the tile's GEMMs are issued, while the score accumulators hold nothing: during the score pipeline every
-  // register is taken (the loads cannot move past the turn barrier's memory clobber).
+  // (general variant) The row block's summary row, rebuilt at each use (row_block_mask_blocks says why), and whether
+  // tile n_block reads mask elements (not where its mask blocks are all visible). Both are evaluated before a tile's
+  // GEMMs are issued, while the score accumulators hold nothing: during the score pipeline every register is taken
+  // (the loads cannot move past the turn barrier's memory clobber).
   auto mask_blocks = [&] {
     if constexpr (kTransforms) {
       return row_block_mask_blocks<Traits>(p, rb);
