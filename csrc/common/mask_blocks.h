@@ -61,30 +61,6 @@ struct SliceMaskBlocks {
   }
 };
 
-// Block (0, 0) of the summary of slice (b, h); nullptr when the call has no mask or no summary.
-JF_HOST_DEVICE const uint8_t* slice_mask_blocks_origin(const AttentionParams& p, int64_t b, int64_t h) {
-  if (p.mask == nullptr || p.mask_blocks == nullptr) return nullptr;
-  const BroadcastStrides& s = p.mask_blocks_strides;
-  return p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
-}
-
-// The summary of the slice whose block (0, 0) is `origin` (slice_mask_blocks_origin, which a kernel may compute
-// once and keep: it is the only costly part, a 64-bit division).
-JF_HOST_DEVICE SliceMaskBlocks slice_mask_blocks_at(const AttentionParams& p, const uint8_t* origin) {
-  SliceMaskBlocks m;
-  if (p.mask == nullptr) return m;
-  if (p.mask_blocks == nullptr) {
-    m.unsummarised = MaskCover::kPartial;
-    return m;
-  }
-  m.blocks = origin;
-  m.query_stride = p.mask_blocks_strides.query;
-  m.key_stride = p.mask_blocks_strides.key;
-  m.query_blocks = mask_blocks_along(p.seqlen_q);
-  m.key_blocks = mask_blocks_along(p.seqlen_k);
-  return m;
-}
-
 // The summary row of one query tile, for a kernel that walks many key tiles of it with few registers (the sm90
 // forward's producer): built once per query tile, then each key tile's cover is what SliceMaskBlocks::cover says
 // for the same tile, from at most four byte loads at 32-bit offsets (a summary has one byte per 64 x 64 mask
@@ -95,20 +71,9 @@ struct QueryTileMaskBlocks {
   // queries: the first block is then read twice, which changes neither the least nor the most byte.
   int query_step = 0;
 
-  // The query tile of kRows rows at row0 (a multiple of kRows) of the slice whose summary starts at slice_origin
-  // (slice_mask_blocks_origin).
+  // The query tile of kRows rows at row0 (a multiple of kRows) of slice (b, h).
   template <int kRows>
-  JF_HOST_DEVICE static QueryTileMaskBlocks make(const AttentionParams& p, const uint8_t* slice_origin, int64_t row0) {
-    static_assert(kRows % kMaskBlock == 0 || kMaskBlock % kRows == 0);
-    static_assert(kRows <= 2 * kMaskBlock, "the tile's second query block is read at first + query_step");
-    QueryTileMaskBlocks t;
-    const SliceMaskBlocks slice = slice_mask_blocks_at(p, slice_origin);
-    if (slice.blocks == nullptr) return t;
-    const int64_t q0 = row0 / kMaskBlock;
-    t.first = slice.blocks + q0 * slice.query_stride;
-    if (kRows > kMaskBlock && q0 + 1 < slice.query_blocks) t.query_step = static_cast<int>(slice.query_stride);
-    return t;
-  }
+  JF_HOST_DEVICE static QueryTileMaskBlocks make(const AttentionParams& p, int64_t b, int64_t h, int64_t row0);
 
   // How the mask covers the key tile of kCols keys at col0 (a multiple of kCols) in this query tile.
   template <int kCols>
@@ -136,7 +101,33 @@ struct QueryTileMaskBlocks {
 };
 
 JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, int64_t b, int64_t h) {
-  return slice_mask_blocks_at(p, slice_mask_blocks_origin(p, b, h));
+  SliceMaskBlocks m;
+  if (p.mask == nullptr) return m;
+  if (p.mask_blocks == nullptr) {
+    m.unsummarised = MaskCover::kPartial;
+    return m;
+  }
+  const BroadcastStrides& s = p.mask_blocks_strides;
+  m.blocks = p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
+  m.query_stride = s.query;
+  m.key_stride = s.key;
+  m.query_blocks = mask_blocks_along(p.seqlen_q);
+  m.key_blocks = mask_blocks_along(p.seqlen_k);
+  return m;
+}
+
+template <int kRows>
+JF_HOST_DEVICE QueryTileMaskBlocks QueryTileMaskBlocks::make(const AttentionParams& p, int64_t b, int64_t h,
+                                                             int64_t row0) {
+  static_assert(kRows % kMaskBlock == 0 || kMaskBlock % kRows == 0);
+  static_assert(kRows <= 2 * kMaskBlock, "the tile's second query block is read at first + query_step");
+  QueryTileMaskBlocks t;
+  const SliceMaskBlocks slice = make_slice_mask_blocks(p, b, h);
+  if (slice.blocks == nullptr) return t;
+  const int64_t q0 = row0 / kMaskBlock;
+  t.first = slice.blocks + q0 * slice.query_stride;
+  if (kRows > kMaskBlock && q0 + 1 < slice.query_blocks) t.query_step = static_cast<int>(slice.query_stride);
+  return t;
 }
 
 }  // namespace jax_flash

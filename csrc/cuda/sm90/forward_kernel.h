@@ -112,7 +112,7 @@ __device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int6
 // the score pipeline, where every register is taken. One function, so both see the same covers.
 template <class Traits>
 __device__ QueryTileMaskBlocks row_block_mask_blocks(const AttentionParams& p, const RowBlock& rb) {
-  return QueryTileMaskBlocks::make<Traits::kBlockM>(p, slice_mask_blocks_origin(p, rb.batch, rb.head), rb.m0);
+  return QueryTileMaskBlocks::make<Traits::kBlockM>(p, rb.batch, rb.head, rb.m0);
 }
 
 // How the boolean mask covers key tile n_block of the row block whose summary row is `blocks`. Only the general

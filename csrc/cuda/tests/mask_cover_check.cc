@@ -25,7 +25,7 @@ void compare_tiles(const AttentionParams& p) {
       const jax_flash::SliceMaskBlocks slice = jax_flash::make_slice_mask_blocks(p, b, h);
       for (int64_t row0 = 0; row0 < p.seqlen_q; row0 += kRows) {
         const jax_flash::QueryTileMaskBlocks tile =
-            jax_flash::QueryTileMaskBlocks::make<kRows>(p, jax_flash::slice_mask_blocks_origin(p, b, h), row0);
+            jax_flash::QueryTileMaskBlocks::make<kRows>(p, b, h, row0);
         for (int64_t col0 = 0; col0 < p.seqlen_k; col0 += kCols) {
           const MaskCover want = slice.cover<kRows, kCols>(row0, col0);
           const MaskCover got = tile.cover<kCols>(p, col0);
