@@ -72,6 +72,19 @@ JF_HOST_DEVICE bool tile_fully_visible(const SliceMask& mask, int64_t row_begin,
 // The first tile in [tile, end) that the boolean mask does not hide entirely (end if none); cover(t) is tile t's
 // MaskCover (common/mask_blocks.h). Kernels walk their tiles with it, so hidden tiles are neither loaded nor
 // computed: they would only contribute -inf scores (no probability, no gradient).
+// How the boolean mask's block summary covers the kRows x kCols tile at (row0, col0) of slice (batch, head):
+// general variant only (the common one has no mask: everything is visible). Rebuilt from the kernel parameters at
+// each use rather than held in registers across the tile loop.
+template <bool kGeneral, int kRows, int kCols>
+JF_HOST_DEVICE MaskCover tile_mask_cover(const AttentionParams& p, int64_t batch, int64_t head, int64_t row0,
+                                         int64_t col0) {
+  if constexpr (kGeneral) {
+    return make_slice_mask_blocks(p, batch, head).template cover<kRows, kCols>(row0, col0);
+  } else {
+    return MaskCover::kVisible;
+  }
+}
+
 template <class Cover>
 JF_HOST_DEVICE int next_unhidden_tile(int tile, int end, Cover const& cover) {
   while (tile < end && cover(tile) == MaskCover::kHidden) ++tile;

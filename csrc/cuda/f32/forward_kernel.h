@@ -88,15 +88,7 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int64_t j = n0 + t.tx + 16 * c;
-        float score;
-        if constexpr (kGeneral) {
-          float grad;
-          score = general_score(p, mask, check_mask, i, j, s[r][c], &grad);
-        } else {
-          score = s[r][c] * p.softmax_scale;
-          if (check_mask && !mask.visible(i, j)) score = -INFINITY;
-        }
-        s[r][c] = score;
+        s[r][c] = forward_score<kGeneral>(p, mask, check_mask, i, j, s[r][c]);
       }
       // Online softmax: rescale what was accumulated under the old max.
       float tile_max = s[r][0];

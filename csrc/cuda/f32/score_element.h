@@ -39,6 +39,19 @@ __device__ __forceinline__ float general_score(const AttentionParams& p, const S
          mask.bias_at(i, j);
 }
 
+// Forward score of element (i, j) in either variant: the general transform above, or the plain scaled dot with
+// the position mask (tested only where the tile needs it).
+template <bool kGeneral>
+__device__ __forceinline__ float forward_score(const AttentionParams& p, const SliceMask& mask, bool check_mask,
+                                               int64_t i, int64_t j, float dot) {
+  if constexpr (kGeneral) {
+    float grad;
+    return general_score(p, mask, check_mask, i, j, dot, &grad);
+  } else {
+    return check_mask && !mask.visible(i, j) ? -INFINITY : dot * p.softmax_scale;
+  }
+}
+
 // Dropout of one (batch, head) slice: element (i, j) is kept when its 16-bit Philox draw reaches the threshold;
 // kept probabilities are scaled by 1 / (1 - rate). `active` is false without dropout (then every element is
 // kept unscaled and no Philox runs).

@@ -123,14 +123,7 @@ __global__ void __launch_bounds__(Tf32ForwardGeometry<kHeadDim>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int64_t i = m0 + warp_row + lane.g + 8 * (e / 2);
         const int64_t j = n0 + 8 * t + lane.c_rows[e % 2];
-        float score;
-        if constexpr (kGeneral) {
-          float grad;
-          score = general_score(p, mask, check_mask, i, j, s[t][e], &grad);
-        } else {
-          score = s[t][e] * p.softmax_scale;
-          if (check_mask && !mask.visible(i, j)) score = -INFINITY;
-        }
+        const float score = forward_score<kGeneral>(p, mask, check_mask, i, j, s[t][e]);
         s[t][e] = score;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], score);
       }

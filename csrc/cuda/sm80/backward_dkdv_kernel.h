@@ -62,12 +62,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // How the boolean mask's block summary covers an item's tile (general variant only); items it hides entirely
   // are skipped, so a KV head whose keys no query head sees (a padded tail) loads and computes nothing.
   auto mask_cover = [&](int item) {
-    if constexpr (kGeneral) {
-      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, item_head(item));
-      return blocks.template cover<kBlockM, kBlockN>(item_row0(item), n0);
-    } else {
-      return MaskCover::kVisible;
-    }
+    return tile_mask_cover<kGeneral, kBlockM, kBlockN>(p, cta.batch, item_head(item), item_row0(item), n0);
   };
   auto next_item = [&](int item) { return next_unhidden_tile(item, items, mask_cover); };
   const int first_item = next_item(0);

@@ -57,12 +57,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const TileSpan key_tiles = key_tiles_for_rows(mask, m0, kBlockM, kBlockN);
   // As in the forward: key tiles whose boolean-mask blocks are all hidden are skipped (general variant).
   auto mask_cover = [&](int n_block) {
-    if constexpr (kGeneral) {
-      const SliceMaskBlocks blocks = make_slice_mask_blocks(p, cta.batch, cta.head);
-      return blocks.template cover<kBlockM, kBlockN>(m0, int64_t(n_block) * kBlockN);
-    } else {
-      return MaskCover::kVisible;
-    }
+    return tile_mask_cover<kGeneral, kBlockM, kBlockN>(p, cta.batch, cta.head, m0, int64_t(n_block) * kBlockN);
   };
   auto next_tile = [&](int n_block) { return next_unhidden_tile(n_block, key_tiles.end, mask_cover); };
   const int first_tile = next_tile(key_tiles.begin);

@@ -12,8 +12,10 @@
 
 namespace jax_flash::cuda::sm80 {
 
+// The per-row state both kernel families stream (running maximum and this thread's running sum), its reset, and
+// the final normalisation; sm80::OnlineSoftmax and sm90::OnlineSoftmax add their update steps.
 template <int kRows>
-struct OnlineSoftmax {
+struct SoftmaxRows {
   float row_max[kRows];
   float row_sum[kRows];  // this thread's columns only; the quad's total is formed once, in finalize()
 
@@ -24,6 +26,26 @@ struct OnlineSoftmax {
       row_sum[r] = 0.0f;
     }
   }
+
+  // Normalises the output rows and returns each row's log-sum-exp (natural log; -inf for rows that saw no
+  // visible key, whose output is then exactly 0).
+  template <class Out>
+  __device__ void finalize(Out&& out, float to_log2, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
+      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= inv_sum;
+      lse[r] = sum > 0.0f ? (row_max[r] * to_log2 + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+};
+
+template <int kRows>
+struct OnlineSoftmax : SoftmaxRows<kRows> {
+  using SoftmaxRows<kRows>::row_max;
+  using SoftmaxRows<kRows>::row_sum;
 
   // scores: rows x cols view of a score tile, overwritten with unnormalised probabilities.
   // out: rows x cols view of the output accumulator (same rows).
@@ -49,20 +71,6 @@ struct OnlineSoftmax {
         scores(r, c) = p;
         row_sum[r] += p;
       }
-    }
-  }
-
-  // Normalises the output rows and returns each row's log-sum-exp (natural log; -inf for rows that saw no
-  // visible key, whose output is then exactly 0).
-  template <class Out>
-  __device__ void finalize(Out&& out, float to_log2, float (&lse)[kRows]) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const float sum = quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
-      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-      CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= inv_sum;
-      lse[r] = sum > 0.0f ? (row_max[r] * to_log2 + log2f(sum)) * kLn2 : -INFINITY;
     }
   }
 };

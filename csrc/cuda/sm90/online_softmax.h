@@ -9,22 +9,15 @@
 #include <cute/tensor.hpp>
 
 #include "../sm80/fragments.h"
+#include "../sm80/online_softmax.h"
 #include "../sm80/score_tile.h"
 
 namespace jax_flash::cuda::sm90 {
 
 template <int kRows>
-struct OnlineSoftmax {
-  float row_max[kRows];
-  float row_sum[kRows];  // this thread's columns only; the quad's total is formed once, in finalize()
-
-  __device__ void reset() {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      row_max[r] = -INFINITY;
-      row_sum[r] = 0.0f;
-    }
-  }
+struct OnlineSoftmax : sm80::SoftmaxRows<kRows> {  // reset() and finalize() are sm80's
+  using sm80::SoftmaxRows<kRows>::row_max;
+  using sm80::SoftmaxRows<kRows>::row_sum;
 
   // scores: rows x cols view, overwritten with exp2((s - max) * to_log2).
   template <class Scores>
@@ -57,20 +50,6 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= correction[r];
-    }
-  }
-
-  // Normalises O and returns each row's natural-log log-sum-exp (-inf, with O exactly 0, for a row that saw no
-  // visible key).
-  template <class Out>
-  __device__ void finalize(Out&& out, float to_log2, float (&lse)[kRows]) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const float sum = sm80::quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
-      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-      CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(out); ++c) out(r, c) *= inv_sum;
-      lse[r] = sum > 0.0f ? (row_max[r] * to_log2 + log2f(sum)) * sm80::kLn2 : -INFINITY;
     }
   }
 };

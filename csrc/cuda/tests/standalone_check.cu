@@ -647,6 +647,21 @@ bool sm90_backward_applies(const Case& c) {
          c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
+// The benchmarks' problem: batch B of S queries and S keys, H heads of D (no GQA), bf16, scale 1/sqrt(D); the
+// caller sets the buffers.
+template <class Params>
+Params square_bf16_problem(int64_t B, int64_t S, int64_t H, int64_t D, bool causal) {
+  Params p{};
+  p.batch = B;
+  p.seqlen_q = p.seqlen_k = S;
+  p.heads_q = p.heads_kv = H;
+  p.head_dim = D;
+  p.element_type = ElementType::kBFloat16;
+  p.softmax_scale = 1.0f / std::sqrt(float(D));
+  p.causal = causal;
+  return p;
+}
+
 // The padding-mask forward timed with JAX_FLASH_SM90_DENSE=0 (sm80) and =1 (experimental: the sm90 forward takes
 // the mask); O and lse of both runs are compared.
 template <class TimeMs>
@@ -696,14 +711,7 @@ void bench() {
     const bool causal = row == 1, padding_mask = row == 2;
     const int64_t B = 4, S = 4096, H = 16, D = 128;
     const size_t n = B * S * H * D;
-    AttentionBackwardParams p{};
-    p.batch = B;
-    p.seqlen_q = p.seqlen_k = S;
-    p.heads_q = p.heads_kv = H;
-    p.head_dim = D;
-    p.element_type = ElementType::kBFloat16;
-    p.softmax_scale = 1.0f / std::sqrt(float(D));
-    p.causal = causal;
+    AttentionBackwardParams p = square_bf16_problem<AttentionBackwardParams>(B, S, H, D, causal);
     std::mt19937 rng(1);
     HostTensor x = random_tensor(n, p.element_type, 1.0f, rng);
     p.q = to_device(x.bits);
@@ -774,14 +782,7 @@ bool bench_forward_persistent() {
     for (int64_t S : {512, 1024, 2048, 8192}) {
       for (bool causal : {true, false}) {
         const int64_t B = kTokens / S;
-        AttentionParams p{};
-        p.batch = B;
-        p.seqlen_q = p.seqlen_k = S;
-        p.heads_q = p.heads_kv = H;
-        p.head_dim = D;
-        p.element_type = ElementType::kBFloat16;
-        p.softmax_scale = 1.0f / std::sqrt(float(D));
-        p.causal = causal;
+        AttentionParams p = square_bf16_problem<AttentionParams>(B, S, H, D, causal);
         p.q = p.k = p.v = qkv;
         p.o = out;
         p.lse = out_lse;
