@@ -126,7 +126,8 @@ int current_device_major() {
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // JAX_FLASH_SM90_DENSE (read at every call): "1" lets the sm90 forward take calls with an additive bias and/or a
-// boolean mask (its general variant; experimental, not yet validated on a GPU); unset, "" or "0" leaves them on sm80.
+// boolean mask (its dense form, sm90/forward_variant.h; experimental, not yet validated on a GPU); unset, "" or "0"
+// leaves them on sm80.
 std::string sm90_dense_switch(bool* enabled) {
   const char* env = std::getenv("JAX_FLASH_SM90_DENSE");
   const std::string value = env ? env : "";

@@ -43,8 +43,12 @@ struct IgnoreHidden {
 
 // Kernels build one where a tile is scored rather than holding it across their main loop: its fields come from
 // kernel parameters (constant bank) and a few cached loads, and the registers go to the accumulators instead.
-template <bool kGeneral>
+// kReadsBiasOrMask = false (general variant only) compiles no bias or boolean-mask reads, for a kernel form that
+// never gets them (the sm90 forward's softcap/ALiBi form: sm90/forward_variant.h).
+template <bool kGeneral, bool kReadsBiasOrMask = kGeneral>
 struct ScoreTile {
+  static_assert(kGeneral || !kReadsBiasOrMask, "bias and boolean mask are general-variant work");
+
   SliceMask mask;
   float softmax_scale;
   float softcap;
@@ -83,7 +87,7 @@ struct ScoreTile {
     const float* bias_origin = nullptr;
     const bool* mask_origin = nullptr;
     int bias_row_stride = 0, bias_col_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
-    if constexpr (kGeneral) {
+    if constexpr (kReadsBiasOrMask) {
       if (mask.bias != nullptr) {
         bias_origin = mask.bias + first_row * mask.bias_strides.query + first_col * mask.bias_strides.key;
         bias_row_stride = static_cast<int>(mask.bias_strides.query);

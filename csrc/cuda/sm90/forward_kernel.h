@@ -3,8 +3,8 @@
 //    and of the visible key tiles (position masks by range, the boolean mask by its block summary) into a
 //    kStages-deep K pipeline and V pipeline (mbarrier transaction counts);
 //  - each consumer warpgroup owns 64 of the rows: S = Q K^T by WGMMA from shared memory, the shared score
-//    pipeline (general variant: softcap, ALiBi, bias and boolean mask per element, as sm80), an online-softmax step,
-//    O += P V by WGMMA with P from registers.
+//    pipeline (per element as sm80 where the kernel form asks for it: softcap and ALiBi, plus bias and boolean mask
+//    in the dense form; forward_variant.h), an online-softmax step, O += P V by WGMMA with P from registers.
 // Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
 // runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
 // their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
@@ -20,7 +20,7 @@
 // the CTA's non-empty tiles, 0, 1, 2, ...):
 //  - K and V: the producer's write state and each consumer's read state run on across tiles; every round fills
 //    and drains exactly one stage of each pipeline per key tile of its walk (next_key_tile: all of key_tiles, or in
-//    the general variant those the boolean mask's block summary does not hide), and producer and consumers walk
+//    the dense form those the boolean mask's block summary does not hide), and producer and consumers walk
 //    the same list, so the two stay in step as within one tile.
 //  - q_full (transaction mbarrier, 1 arrival + the Q bytes): phase r completes when round r's Q has landed; the
 //    consumers wait for parity r & 1.
@@ -52,6 +52,7 @@
 #include "../sm80/fragments.h"
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
+#include "forward_variant.h"
 #include "fragments.h"
 #include "kernel_traits.h"
 #include "online_softmax.h"
@@ -74,7 +75,7 @@ struct RowBlock {
   SliceMask mask;
   TileSpan key_tiles;
   TileSpan interior;    // tiles that need no per-element mask
-  QueryTileMaskBlocks mask_blocks;  // general variant: row_block_mask_blocks (used by the producer)
+  QueryTileMaskBlocks mask_blocks;  // dense form: row_block_mask_blocks (used by the producer)
 };
 
 // Tile number -> (row block counted from the last, slice = batch * heads_q + head).
@@ -115,11 +116,11 @@ __device__ QueryTileMaskBlocks row_block_mask_blocks(const AttentionParams& p, c
   return QueryTileMaskBlocks::make<Traits::kBlockM>(p, rb.batch, rb.head, rb.m0);
 }
 
-// How the boolean mask covers key tile n_block of the row block whose summary row is `blocks`. Only the general
-// variant can have a mask; the common one sees every tile as visible and compiles none of this.
-template <class Traits, bool kTransforms>
+// How the boolean mask covers key tile n_block of the row block whose summary row is `blocks`. Only the dense form
+// can have a mask; the others see every tile as visible and compile none of this.
+template <class Traits, ForwardVariant kVariant>
 __device__ MaskCover key_tile_cover(const AttentionParams& p, const QueryTileMaskBlocks& blocks, int n_block) {
-  if constexpr (kTransforms) {
+  if constexpr (reads_bias_or_mask(kVariant)) {
     return blocks.template cover<Traits::kBlockN>(p, int64_t(n_block) * Traits::kBlockN);
   } else {
     return MaskCover::kVisible;
@@ -130,22 +131,22 @@ __device__ MaskCover key_tile_cover(const AttentionParams& p, const QueryTileMas
 // hide entirely; below rb.key_tiles.begin when none is left. A pure function of the kernel parameters and the row
 // block: the producer and every consumer walk the same list with it, so the producer issues exactly the K and V
 // stages the consumers wait for, in the same order (a hidden tile is neither loaded nor computed).
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __device__ __forceinline__ int next_key_tile(const AttentionParams& p, const RowBlock& rb,
                                              const QueryTileMaskBlocks& blocks, int n_block) {
-  if constexpr (kTransforms) {
+  if constexpr (reads_bias_or_mask(kVariant)) {
     if (p.mask != nullptr) {
       return previous_unhidden_tile(n_block - 1, rb.key_tiles.begin,
-                                    [&](int n) { return key_tile_cover<Traits, true>(p, blocks, n); });
+                                    [&](int n) { return key_tile_cover<Traits, kVariant>(p, blocks, n); });
     }
   }
   return n_block - 1;
 }
 
-// The forward's tile `tile`, split in 32 bits with the host's TileGrid. In the general variant key_tiles ends after
+// The forward's tile `tile`, split in 32 bits with the host's TileGrid. In the dense form key_tiles ends after
 // the last key tile the mask summary leaves anything visible in (where every walk starts), so a row block whose
 // every tile is hidden is empty for producer and consumers alike (O = 0, lse = -inf, no load, no barrier phase).
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
   const TileGrid& grid = args.grid;
   uint32_t block, slice;
@@ -153,11 +154,11 @@ __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) 
   const uint32_t head = slice % grid.heads_q;
   RowBlock rb = make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
                                        int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
-  if constexpr (kTransforms) {
+  if constexpr (reads_bias_or_mask(kVariant)) {
     const AttentionParams& p = args.p;
     rb.mask_blocks = row_block_mask_blocks<Traits>(p, rb);
     if (!rb.key_tiles.empty()) {
-      rb.key_tiles.end = next_key_tile<Traits, true>(p, rb, rb.mask_blocks, rb.key_tiles.end) + 1;
+      rb.key_tiles.end = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, rb.key_tiles.end) + 1;
     }
   }
   return rb;
@@ -193,7 +194,7 @@ __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, i
 
 // Producer, one tile (round `round` of this CTA): the first K, then Q once the previous round freed Q's buffer,
 // then the rest of K and V. `write` carries the pipelines' position from tile to tile.
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
                           typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                           typename Traits::PipelineState& write, int round) {
@@ -242,8 +243,8 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
   load_v(n_block);
   ++write;
-  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
-       n_block = next_key_tile<Traits, kTransforms>(p, rb, rb.mask_blocks, n_block)) {
+  for (n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block)) {
     load_k(n_block);
     load_v(n_block);
     ++write;
@@ -251,15 +252,15 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
 }
 
 // Producer: one thread issues every TMA load of the CTA, for each of its non-empty tiles in turn.
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __device__ void produce(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
                         typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   int round = 0;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
-    const RowBlock rb = locate_tile<Traits, kTransforms>(args, tile);
+    const RowBlock rb = locate_tile<Traits, kVariant>(args, tile);
     if (rb.key_tiles.empty()) continue;
-    load_tile<Traits, kTransforms>(args, rb, smem, pipeline_k, pipeline_v, write, round);
+    load_tile<Traits, kVariant>(args, rb, smem, pipeline_k, pipeline_v, write, round);
     ++round;
   }
 }
@@ -280,8 +281,8 @@ struct ConsumerProgress {
 
 // Consumer warpgroup `group` (0-based among consumers), one tile: its 64 rows through every key tile, then the
 // epilogue. `last_tile`: no later tile of this CTA exists (the final pingpong hand-over is skipped).
-// Force-inlined: as a called function, ptxas serialises every WGMMA of the general variant (C7510).
-template <class Traits, bool kTransforms>
+// Force-inlined: as a called function, ptxas serialises every WGMMA of the transforming forms (C7510).
+template <class Traits, ForwardVariant kVariant>
 __device__ __forceinline__ void consume_tile(const AttentionParams& p, const RowBlock& rb,
                                             typename Traits::SharedStorage& smem,
                                             typename Traits::Pipeline& pipeline_k,
@@ -292,6 +293,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kGroups = Traits::kConsumerGroups;
+  using Scorer = sm80::ScoreTile<transforms_scores(kVariant), reads_bias_or_mask(kVariant)>;
   // Among all consumer threads; made opaque per tile so that the thread's address arithmetic (the epilogue's
   // above all) is computed where it is used, not hoisted out of the tile loop to sit in registers through every
   // tile's main loop.
@@ -315,7 +317,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   OnlineSoftmax<kRows> softmax;
   softmax.reset();
-  const float to_log2 = sm80::ScoreTile<kTransforms>::to_log2(p);
+  const float to_log2 = Scorer::to_log2(p);
 
   // Pingpong: a consumer issues GEMMs only on its turn, then hands the turn to the next consumer.
   const int last_group = kGroups - 1;
@@ -332,20 +334,20 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   };
   static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
 
-  // (general variant) The row block's summary row, rebuilt at each use (row_block_mask_blocks says why), and whether
+  // (dense form) The row block's summary row, rebuilt at each use (row_block_mask_blocks says why), and whether
   // tile n_block reads mask elements (not where its mask blocks are all visible). Both are evaluated before a tile's
   // GEMMs are issued, while the score accumulators hold nothing: during the score pipeline every register is taken
   // (the loads cannot move past the turn barrier's memory clobber).
   auto mask_blocks = [&] {
-    if constexpr (kTransforms) {
+    if constexpr (reads_bias_or_mask(kVariant)) {
       return row_block_mask_blocks<Traits>(p, rb);
     } else {
       return QueryTileMaskBlocks{};
     }
   };
   auto reads_mask = [&](int n_block) {
-    if constexpr (kTransforms) {
-      return key_tile_cover<Traits, kTransforms>(p, mask_blocks(), n_block) != MaskCover::kVisible;
+    if constexpr (reads_bias_or_mask(kVariant)) {
+      return key_tile_cover<Traits, kVariant>(p, mask_blocks(), n_block) != MaskCover::kVisible;
     } else {
       return true;
     }
@@ -354,7 +356,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   // Scores of tile n_block in place: raw dots -> masked / transformed scores.
   auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
     auto view = sm80_view(acc_s);
-    const auto scorer = sm80::ScoreTile<kTransforms>::make(p, rb.batch, rb.head, read_boolean_mask);
+    const auto scorer = Scorer::make(p, rb.batch, rb.head, read_boolean_mask);
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
       scorer.template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
     } else {
@@ -395,8 +397,8 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   ++read;
 
   // Steady state: S of tile n with P V of tile n + 1 (the previous one) in flight.
-  for (n_block = next_key_tile<Traits, kTransforms>(p, rb, mask_blocks(), n_block); n_block >= rb.key_tiles.begin;
-       n_block = next_key_tile<Traits, kTransforms>(p, rb, mask_blocks(), n_block)) {
+  for (n_block = next_key_tile<Traits, kVariant>(p, rb, mask_blocks(), n_block); n_block >= rb.key_tiles.begin;
+       n_block = next_key_tile<Traits, kVariant>(p, rb, mask_blocks(), n_block)) {
     read_boolean_mask = reads_mask(n_block);
     wait_turn();
     pipeline_k.consumer_wait(read);
@@ -479,23 +481,23 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
 }
 
 // Consumer warpgroup `group`: each of the CTA's tiles in turn; an empty one only writes O = 0 and lse = -inf.
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                                        int group) {
   ConsumerProgress<Traits> progress;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {
-    const RowBlock rb = locate_tile<Traits, kTransforms>(args, tile);
+    const RowBlock rb = locate_tile<Traits, kVariant>(args, tile);
     if (rb.key_tiles.empty()) {
       store_empty_rows<Traits>(args.p, rb, threadIdx.x - 128);
       continue;
     }
     const bool last_tile = tile + gridDim.x >= args.grid.tiles;
-    consume_tile<Traits, kTransforms>(args.p, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
+    consume_tile<Traits, kVariant>(args.p, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
   }
 }
 
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     forward_kernel(const __grid_constant__ ForwardArgs<Traits> args) {
   using namespace cute;
@@ -522,10 +524,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x == 0) produce<Traits, kTransforms>(args, smem, pipeline_k, pipeline_v);
+    if (threadIdx.x == 0) produce<Traits, kVariant>(args, smem, pipeline_k, pipeline_v);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume<Traits, kTransforms>(args, smem, pipeline_k, pipeline_v, warp_group - 1);
+    consume<Traits, kVariant>(args, smem, pipeline_k, pipeline_v, warp_group - 1);
   }
 }
 

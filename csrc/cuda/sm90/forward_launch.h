@@ -1,5 +1,6 @@
 // Host launcher of the Hopper forward kernel for one (head dim, element type); instantiated once per generated
-// .cu (sm_90a only). Builds the three TMA descriptors for this call's pointers and shapes.
+// .cu (sm_90a only). Picks the kernel form the call needs (forward_variant.h) and builds the three TMA descriptors
+// for this call's pointers and shapes.
 #pragma once
 
 #include <algorithm>
@@ -10,8 +11,8 @@
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
 #include "../sm80/launch_common.h"
-#include "../sm80/score_tile.h"
 #include "forward_kernel.h"
+#include "forward_variant.h"
 #include "kernel_traits.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -49,13 +50,13 @@ inline std::string persistent_switch(bool* persistent, int64_t* max_ctas) {
   return {};
 }
 
-// CTAs of forward_kernel<Traits, kTransforms> that fit on the current GPU at once (SMs x CTAs per SM), looked up
+// CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (SMs x CTAs per SM), looked up
 // once per device (its dynamic shared memory limit must have been raised already).
-template <class Traits, bool kTransforms>
+template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int64_t> known[kMaxDevices];  // 0: not looked up yet
-  const auto kernel = forward_kernel<Traits, kTransforms>;
+  const auto kernel = forward_kernel<Traits, kVariant>;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
@@ -74,8 +75,8 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-template <int kHeadDim, class Element>
-std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
+template <int kHeadDim, class Element, ForwardVariant kVariant>
+std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
   using Traits = ForwardTraits<kHeadDim, Element>;
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
@@ -93,8 +94,7 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
-  const bool general = sm80::needs_general_variant(p);
-  auto kernel = general ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
+  const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   bool persistent = false;
   int64_t max_ctas = 0;
@@ -110,15 +110,25 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                        static_cast<uint32_t>(p.heads_q / p.heads_kv)};
   if (persistent) {
     int64_t ctas = 0;
-    if (std::string err = general ? resident_ctas<Traits, true>(&ctas) : resident_ctas<Traits, false>(&ctas);
-        !err.empty()) {
-      return err;
-    }
+    if (std::string err = resident_ctas<Traits, kVariant>(&ctas); !err.empty()) return err;
     if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
     grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
+}
+
+template <int kHeadDim, class Element>
+std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  switch (forward_variant(p)) {
+    case ForwardVariant::kCommon:
+      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kCommon>(p, stream);
+    case ForwardVariant::kTransforms:
+      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kTransforms>(p, stream);
+    case ForwardVariant::kDense:
+      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kDense>(p, stream);
+  }
+  return "sm90 forward: unknown kernel form";
 }
 
 }  // namespace jax_flash::cuda::sm90
