@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -293,7 +294,6 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kGroups = Traits::kConsumerGroups;
-  using Scorer = sm80::ScoreTile<transforms_scores(kVariant), reads_bias_or_mask(kVariant)>;
   // Among all consumer threads; made opaque per tile so that the thread's address arithmetic (the epilogue's
   // above all) is computed where it is used, not hoisted out of the tile loop to sit in registers through every
   // tile's main loop.
@@ -317,7 +317,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   OnlineSoftmax<kRows> softmax;
   softmax.reset();
-  const float to_log2 = Scorer::to_log2(p);
+  const float to_log2 = sm80::ScoreTile<transforms_scores(kVariant)>::to_log2(p);
 
   // Pingpong: a consumer issues GEMMs only on its turn, then hands the turn to the next consumer.
   const int last_group = kGroups - 1;
@@ -353,14 +353,32 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
     }
   };
 
-  // Scores of tile n_block in place: raw dots -> masked / transformed scores.
-  auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
+  // Scores of tile n_block in place: raw dots -> masked / transformed scores, reading bias and mask elements where
+  // `reads` (a std::bool_constant) says so.
+  auto score_with = [&](auto reads, auto& acc_s, int n_block, bool read_boolean_mask) {
+    using Scorer = sm80::ScoreTile<transforms_scores(kVariant), decltype(reads)::value>;
     auto view = sm80_view(acc_s);
     const auto scorer = Scorer::make(p, rb.batch, rb.head, read_boolean_mask);
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
       scorer.template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
     } else {
       scorer.template apply<true>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
+    }
+  };
+  // The dense form splits the tiles in two. One that reads bias or mask elements first waits for the P V GEMM in
+  // flight: while it runs, its operand (the probabilities) and acc_o leave a handful of registers beside acc_s,
+  // and ptxas spilled the element loads (426 bytes per thread at d=128; 118 with the wait). The others (no bias, mask
+  // blocks all visible) take the transforms form's scorer and keep the overlap.
+  auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
+    if constexpr (reads_bias_or_mask(kVariant)) {
+      if (p.bias != nullptr || read_boolean_mask) {
+        warpgroup_wait<0>();
+        score_with(std::true_type{}, acc_s, n_block, read_boolean_mask);
+      } else {
+        score_with(std::false_type{}, acc_s, n_block, false);
+      }
+    } else {
+      score_with(std::false_type{}, acc_s, n_block, read_boolean_mask);
     }
   };
 
