@@ -366,9 +366,9 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
     }
   };
   // The dense form splits the tiles in two. One that reads bias or mask elements first waits for the P V GEMM in
-  // flight: while it runs, its operand (the probabilities) and acc_o leave a handful of registers beside acc_s,
-  // and ptxas spilled the element loads (426 bytes per thread at d=128; 118 with the wait). The others (no bias, mask
-  // blocks all visible) take the transforms form's scorer and keep the overlap.
+  // flight: while it runs, its operand (the probabilities) and acc_o leave a handful of registers beside acc_s, and
+  // the element loads spilled (ptxas, d=128: 426 bytes per thread without the wait, 174 with it). The others (no
+  // bias, mask blocks all visible) take the transforms form's scorer and keep the overlap.
   auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
     if constexpr (reads_bias_or_mask(kVariant)) {
       if (p.bias != nullptr || read_boolean_mask) {
