@@ -419,8 +419,9 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
     o, lse = forward(q, k, v, *masks, *dense, **attributes)
     backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
-    dq, dk, dv, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
+        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+    dq, dk, dv, _, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
                                 deterministic=False)
     return o, lse, dq, dk, dv
 

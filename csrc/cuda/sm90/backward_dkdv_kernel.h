@@ -8,6 +8,10 @@
 //      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (in registers; masks only on boundary tiles)
 //      dV += P^T dO, dK += dS^T Q        (P^T, dS^T straight from the accumulators as register A operands)
 // Computing the transposed scores is what lets P and dS skip shared memory: their rows are already the keys.
+// Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
+// stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
+//      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
+// and adds it to dq_accum (dq_accum.h). Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 #pragma once
 
 #include <cmath>
@@ -22,13 +26,16 @@
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
+#include "dq_accum.h"
 #include "fragments.h"
 #include "transposed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barrier of consumer g's epilogue: kDkdvEpilogueBarrier + g (id 0 is __syncthreads).
+// Named barriers (id 0 is __syncthreads): consumer g's epilogue kDkdvEpilogueBarrier + g; both consumers' dS of
+// an item in shared memory (fused dQ) kDsStoredBarrier.
 constexpr int kDkdvEpilogueBarrier = 1;
+constexpr int kDsStoredBarrier = 3;
 
 // The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
 struct KeyBlock {
@@ -157,9 +164,10 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   }
 }
 
-// Consumer warpgroup `group`: dK and dV of its 64 keys over every item, then the epilogue.
+// Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
+// item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits>
+template <class Traits, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
@@ -196,6 +204,19 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
 
+  // Fused dQ: dS (query, key, buffer) written through its transposed view from the S^T-shaped accumulators;
+  // this consumer's column slice of K^T as the B operand.
+  Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+  Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDsT{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+  constexpr int kDqCols = Traits::kDqCols;
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(thread % 128);
+  Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
+  Tensor frag_kt = thr_dq.partition_fragment_B(
+      local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(group, 0)));
+  Tensor dq_coords = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
+
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   for (int item = 0; item < kb.items; ++item) {
@@ -222,11 +243,29 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     Tensor score_grads = sm80::converted<T>(acc_dp);
     Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
     Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+    const int buffer = item & 1;
+    if constexpr (kFusedDq) {
+      // Buffer `buffer` is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
+      // barrier, which this consumer has passed.
+      copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
+      cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the WGMMA (async proxy) reads
+      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
+    }
     issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
     issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
-    // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
-    warpgroup_wait<0>();
-    pipeline_qdo.consumer_release(read);
+    if constexpr (kFusedDq) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+      Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+      issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+      warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
+      pipeline_qdo.consumer_release(read);
+      warpgroup_wait<0>();
+      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols);
+    } else {
+      // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
+      warpgroup_wait<0>();
+      pipeline_qdo.consumer_release(read);
+    }
     ++read;
   }
 
@@ -245,7 +284,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
 }
 
-template <class Traits>
+template <class Traits, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
@@ -296,7 +335,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_query_tiles<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    consume_query_tiles<Traits, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
   }
 }
 

@@ -428,6 +428,8 @@ bool run_case(const Case& c, std::mt19937& rng) {
     p.dk = poisoned<uint16_t>(nk);
     p.dv = poisoned<uint16_t>(nk);
     p.softmax_d = poisoned<float>(nstat);
+    // Poisoned: the fused-dQ path must zero it itself; deterministic calls must leave it alone.
+    p.dq_accum = poisoned<float>(nq);
     err = jax_flash::cuda::run_backward(p, nullptr);
     if (!err.empty()) {
       std::printf("    run_backward: %s  FAIL\n", err.c_str());
@@ -455,6 +457,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
     for (void* ptr : {p.dq, p.dk, p.dv}) CHECK_CUDA(cudaFree(ptr));
     if (p.dbias) CHECK_CUDA(cudaFree(p.dbias));
     CHECK_CUDA(cudaFree(p.softmax_d));
+    CHECK_CUDA(cudaFree(p.dq_accum));
   }
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
                           static_cast<const void*>(p.o), static_cast<const void*>(p.alibi_slopes),
@@ -623,6 +626,7 @@ void bench() {
     p.lse = poisoned<float>(B * H * S);
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
+    p.dq_accum = poisoned<float>(n);
     std::vector<uint8_t> mask;
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
