@@ -32,8 +32,8 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barriers (id 0 is __syncthreads): consumer g's epilogue kDkdvEpilogueBarrier + g; both consumers' dS of
-// an item in shared memory (fused dQ) kDsStoredBarrier.
+// Named barriers (id 0 is __syncthreads): consumer g's epilogue kDkdvEpilogueBarrier + g; both consumers (fused
+// dQ) kDsStoredBarrier: their dS of an item is in shared memory, or their last dQ GEMM read of K has retired.
 constexpr int kDkdvEpilogueBarrier = 1;
 constexpr int kDsStoredBarrier = 3;
 
@@ -47,12 +47,17 @@ struct KeyBlock {
   SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
   TileSpan query_tiles;
   int items;            // group * query_tiles.size()
+  int rotation;         // each head's query tiles run from query_tiles.begin + rotation, wrapping around
 
   __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
-  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
+  __device__ int m_block(int item) const {
+    return query_tiles.begin + (item % query_tiles.size() + rotation) % query_tiles.size();
+  }
 };
 
-template <class Traits>
+// kRotate (fused dQ): key block n starts its walk over the query tiles n tiles later, so that the CTAs of one
+// head do not all add into the same dQ rows at the same moment (atomics on one address serialise in L2).
+template <class Traits, bool kRotate>
 __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
   const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
@@ -65,6 +70,7 @@ __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
   kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
   kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
+  kb.rotation = kRotate && kb.items > 0 ? cta.block % kb.query_tiles.size() : 0;
   return kb;
 }
 
@@ -126,7 +132,8 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
                                                make_coord(_, 0)));  // (TMA, TMA_M, TMA_D, m)
     Tensor tdOgdO = tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                                   make_coord(_, 0)));
-    for (int m_block = kb.query_tiles.begin; m_block < kb.query_tiles.end; ++m_block) {
+    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
+      const int m_block = kb.m_block(tile);
       pipeline.producer_acquire(write);
       auto* full = pipeline.producer_get_barrier(write);
       copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
@@ -146,8 +153,8 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
     const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
     const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
-    for (int m0 = kb.query_tiles.begin * Traits::kBlockM; m0 < kb.query_tiles.end * Traits::kBlockM;
-         m0 += Traits::kBlockM) {
+    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
+      const int m0 = kb.m_block(tile) * Traits::kBlockM;
       const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
       pipeline.producer_acquire(write);
       float* lse_log2 = smem.lse_log2[write.index()];
@@ -270,10 +277,12 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
-  // of K and V (and have retired), so dK and dV are staged there for 16-byte row stores.
+  // of V, and of K too except the fused dQ's, which read all of K: dV and dK are staged in this warpgroup's rows
+  // of V and K for 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);
   copy(dv_out, thr_dkv.partition_C(sV));
+  if constexpr (kFusedDq) named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = sm80::converted<T>(acc_dk);
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
-  const KeyBlock kb = locate_key_block<Traits>(p);
+  const KeyBlock kb = locate_key_block<Traits, kFusedDq>(p);
   if (kb.items == 0) {  // no query sees these keys
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
     store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);

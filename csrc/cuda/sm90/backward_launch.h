@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -84,6 +85,18 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   return sm80::last_launch_error("sm90 dQ kernel launch");
 }
 
+// JAX_FLASH_SM90_FUSED_DQ (read at every call): unset, "" or "1" sums dQ in the dK/dV pass when the call gives a
+// dq_accum workspace; "0" always runs the separate dQ pass (for comparisons).
+inline std::string fused_dq_switch(bool* fused) {
+  const char* env = std::getenv("JAX_FLASH_SM90_FUSED_DQ");
+  const std::string value = env ? env : "";
+  if (value != "" && value != "0" && value != "1") {
+    return "JAX_FLASH_SM90_FUSED_DQ must be 0 or 1, not '" + value + "'";
+  }
+  *fused = value != "0";
+  return {};
+}
+
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
@@ -95,7 +108,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (p.dq_accum == nullptr || p.deterministic) {
+  bool fused = false;
+  if (std::string err = fused_dq_switch(&fused); !err.empty()) return err;
+  if (!fused || p.dq_accum == nullptr || p.deterministic) {
     if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
     return launch_dq<kHeadDim, Element>(p, stream);
   }
