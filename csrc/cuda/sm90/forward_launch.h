@@ -26,16 +26,27 @@ auto bshd_tensor(const void* data, int64_t seqlen, int64_t heads, int64_t head_d
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
 }
 
-// JAX_FLASH_SM90_PERSISTENT (read at every call): "1" launches a persistent grid (forward_kernel.h: each CTA loops
-// over tiles blockIdx.x, + gridDim.x, ...); unset, "" or "0" launches one CTA per tile. *max_ctas > 0 caps the
-// persistent grid: JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
-inline std::string persistent_switch(bool* persistent, int64_t* max_ctas) {
+// The persistent grid is the default for key sequences up to this length. Measured on the H200 (standalone
+// --bench-persistent, d = 64/128/256, causal and not, 16k tokens: benchmarks/results/
+// sm90_persistent_forward_bench_h200.log), it ran 1.01-1.21x as fast as one CTA per tile at seqlen 512-2048 (most
+// at 512-1024, where tiles are short and a CTA's next tile loads under the current tile's tail) but only
+// 0.94-1.02x at 8k.
+constexpr int64_t kPersistentMaxSeqlenK = 2048;
+
+// JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
+// each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= kPersistentMaxSeqlenK and one CTA per
+// tile otherwise; "1" forces the persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid:
+// JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
+inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas) {
   const char* env = std::getenv("JAX_FLASH_SM90_PERSISTENT");
   const std::string value = env ? env : "";
-  if (value != "" && value != "0" && value != "1") {
-    return "JAX_FLASH_SM90_PERSISTENT must be 0 or 1, not '" + value + "'";
+  if (value == "" || value == "auto") {
+    *persistent = seqlen_k <= kPersistentMaxSeqlenK;
+  } else if (value == "0" || value == "1") {
+    *persistent = value == "1";
+  } else {
+    return "JAX_FLASH_SM90_PERSISTENT must be 0, 1 or auto, not '" + value + "'";
   }
-  *persistent = value == "1";
   *max_ctas = 0;
   const char* cap = std::getenv("JAX_FLASH_SM90_PERSISTENT_CTAS");
   if (cap != nullptr && *cap != '\0') {
@@ -74,11 +85,11 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-template <int kHeadDim, class Element>
-std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
+// One variant (kTransforms: softcap, ALiBi, ...; sm80::needs_general_variant) with its own tile (forward_tile).
+template <int kHeadDim, class Element, bool kTransforms>
+std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = ForwardTraits<kHeadDim, Element>;
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
+  using Traits = ForwardTraits<kHeadDim, Element, kTransforms>;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},
@@ -93,12 +104,11 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
-  const bool general = sm80::needs_general_variant(p);
-  auto kernel = general ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
+  const auto kernel = forward_kernel<Traits, kTransforms>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   bool persistent = false;
   int64_t max_ctas = 0;
-  if (std::string err = persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
       !err.empty()) {
@@ -110,15 +120,19 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
                        static_cast<uint32_t>(p.heads_q / p.heads_kv)};
   if (persistent) {
     int64_t ctas = 0;
-    if (std::string err = general ? resident_ctas<Traits, true>(&ctas) : resident_ctas<Traits, false>(&ctas);
-        !err.empty()) {
-      return err;
-    }
+    if (std::string err = resident_ctas<Traits, kTransforms>(&ctas); !err.empty()) return err;
     if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
     grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
+}
+
+template <int kHeadDim, class Element>
+std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
+  return sm80::needs_general_variant(p) ? launch_forward_variant<kHeadDim, Element, true>(p, stream)
+                                        : launch_forward_variant<kHeadDim, Element, false>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -7,8 +7,9 @@
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
 //                               modes' outputs are bit-identical
-//   The sm90 forward's persistent mode over the case grid: JAX_FLASH_SM90_PERSISTENT=1, plus
-//   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) so that small cases loop over many tiles per CTA.
+//   The sm90 forward's grid modes over the case grid: unset (auto) runs the persistent grid where seqlen_k <= 2048,
+//   i.e. every case of the grid; JAX_FLASH_SM90_PERSISTENT=0 forces one CTA per tile, =1 the persistent grid, and
+//   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) makes small cases loop over many tiles per CTA.
 //   standalone_check --sm90-backward [--small]
 //                               the Hopper backward (experimental): a grid aimed at it, each case's backward forced
 //                               to sm90 where it applies (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, so a refusal fails the
@@ -666,7 +667,8 @@ void bench() {
 }
 
 // Forward only, bf16, 16k tokens per call, 16 heads: one CTA per tile against the persistent grid
-// (JAX_FLASH_SM90_PERSISTENT=0 / 1, forced per call; JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
+// (JAX_FLASH_SM90_PERSISTENT=0 / 1, forced per call whatever the automatic choice would be;
+// JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
 // Both modes run the same tile code in the same order, so O and lse must be bit-identical.
 bool bench_forward_persistent() {
   const char* saved = std::getenv("JAX_FLASH_SM90_PERSISTENT");
