@@ -70,20 +70,24 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, and ``dbias`` (float32,
     shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
-    An extra result is the workspace the kernels need (``rowsum(dO * O) - dlse``, float32); XLA allocates it,
-    so its memory lives as long as the queued kernels.
+    Two extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
+    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and a float32 twin of ``q`` in which
+    the Hopper backward sums dQ over key tiles (atomic adds, so not for ``deterministic``; float32 inputs have
+    their own dQ pass). Where it is not needed it is an empty placeholder.
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
+    fused_dq = not config.deterministic and q.dtype != jnp.float32
     results = (
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
+        _result(q, q.shape, jnp.float32) if fused_dq else jax.ShapeDtypeStruct((0,), jnp.float32),
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
+    dq, dk, dv, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
                                 *_dense_arguments(dense), **_score_attributes(config),
                                 deterministic=bool(config.deterministic))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

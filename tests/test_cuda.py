@@ -121,6 +121,28 @@ def test_automatic_forward_kernel_is_sm90_on_hopper(monkeypatch):
     np.testing.assert_array_equal(outputs["auto"], outputs["sm90"])
 
 
+@pytest.mark.parametrize("seqlen_k", (700, 2100), ids=("persistent-by-default", "per-tile-by-default"))
+def test_sm90_forward_grid_modes_are_bit_identical(seqlen_k, monkeypatch):
+    """JAX_FLASH_SM90_PERSISTENT: auto (persistent where seqlen_k <= 2048), forced one CTA per tile and forced
+    persistent (capped at 2 CTAs, so that each CTA loops over many tiles) run the same tile code: identical
+    outputs. Any other value is an error naming the variable."""
+    use_forward_kernel(monkeypatch, "sm90", 64)
+    q, k, v = _on(GPUS[0], *Case(batch=2, seqlen_q=900, seqlen_k=seqlen_k, heads_q=4, heads_kv=2, head_dim=64,
+                                 dtype=jnp.bfloat16, seed=21).inputs())
+    outputs = {}
+    for mode, ctas in (("0", ""), ("1", "2"), ("auto", "")):
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", mode)
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", ctas)
+        o, lse = jax_flash.attention(q, k, v, causal=True, return_lse=True)
+        outputs[mode] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+    for mode in ("1", "auto"):
+        np.testing.assert_array_equal(outputs[mode][0], outputs["0"][0])
+        np.testing.assert_array_equal(outputs[mode][1], outputs["0"][1])
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "yes")
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_PERSISTENT"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
 def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")
@@ -425,8 +447,9 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
     o, lse = forward(q, k, v, *masks, *dense, **attributes)
     backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
-    dq, dk, dv, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
+        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+    dq, dk, dv, _, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
                                 deterministic=False)
     return o, lse, dq, dk, dv
 

@@ -141,6 +141,12 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
   JF_RETURN_IF_ERROR(
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
+  // dq_accum: absent when empty, else a float32 twin of q.
+  const bool wants_dq_accum = out.dq_accum.element_count() > 0;
+  if (wants_dq_accum) {
+    JF_RETURN_IF_ERROR(
+        expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
+  }
   // dbias: the bias's shape when the caller differentiates with respect to the bias, else a placeholder.
   const std::vector<int64_t> vmap_dims(batch.begin(), batch.end() - 1);
   const int64_t broadcast_full[4] = {batch.back(), p->heads_q, p->seqlen_q, p->seqlen_k};
@@ -161,6 +167,7 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   p->dk = out.dk.untyped_data();
   p->dv = out.dv.untyped_data();
   p->softmax_d = static_cast<float*>(out.softmax_d.untyped_data());
+  p->dq_accum = wants_dq_accum ? static_cast<float*>(out.dq_accum.untyped_data()) : nullptr;
   p->deterministic = deterministic;
   return ffi::Error::Success();
 }

@@ -50,6 +50,7 @@ struct BackwardOperands {
 };
 struct BackwardResults {
   ffi::AnyBuffer dq, dk, dv, softmax_d;
+  ffi::AnyBuffer dq_accum;  // like q but float32, or empty (no fused dQ accumulation)
   ffi::AnyBuffer dbias;  // like the bias operand (float32), or [*vmap, 1, 1, 1, 0] when not wanted
 };
 
@@ -95,7 +96,7 @@ auto bind_forward(Binding binding) {
                                    .template Ret<ffi::AnyBuffer>());                    // lse
 }
 
-// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dbias)
+// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dq_accum, dbias)
 template <typename Binding>
 auto bind_backward(Binding binding) {
   return bind_score_attributes(bind_mask_operands(std::move(binding)
@@ -110,6 +111,7 @@ auto bind_backward(Binding binding) {
                                    .template Ret<ffi::AnyBuffer>()                      // dk
                                    .template Ret<ffi::AnyBuffer>()                      // dv
                                    .template Ret<ffi::AnyBuffer>()                      // softmax_d (workspace)
+                                   .template Ret<ffi::AnyBuffer>()                      // dq_accum (workspace)
                                    .template Ret<ffi::AnyBuffer>())                     // dbias
       .template Attr<bool>("deterministic");
 }

@@ -8,6 +8,10 @@
 //      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (in registers; masks only on boundary tiles)
 //      dV += P^T dO, dK += dS^T Q        (P^T, dS^T straight from the accumulators as register A operands)
 // Computing the transposed scores is what lets P and dS skip shared memory: their rows are already the keys.
+// Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
+// stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
+//      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
+// and adds it to dq_accum (dq_accum.h). Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 #pragma once
 
 #include <cmath>
@@ -22,13 +26,16 @@
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
+#include "dq_accum.h"
 #include "fragments.h"
 #include "transposed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barrier of consumer g's epilogue: kDkdvEpilogueBarrier + g (id 0 is __syncthreads).
+// Named barriers (id 0 is __syncthreads): consumer g's epilogue kDkdvEpilogueBarrier + g; both consumers (fused
+// dQ) kDsStoredBarrier: their dS of an item is in shared memory, or their last dQ GEMM read of K has retired.
 constexpr int kDkdvEpilogueBarrier = 1;
+constexpr int kDsStoredBarrier = 3;
 
 // The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
 struct KeyBlock {
@@ -40,12 +47,17 @@ struct KeyBlock {
   SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
   TileSpan query_tiles;
   int items;            // group * query_tiles.size()
+  int rotation;         // each head's query tiles run from query_tiles.begin + rotation, wrapping around
 
   __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
-  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
+  __device__ int m_block(int item) const {
+    return query_tiles.begin + (item % query_tiles.size() + rotation) % query_tiles.size();
+  }
 };
 
-template <class Traits>
+// kRotate (fused dQ): key block n starts its walk over the query tiles n tiles later, so that the CTAs of one
+// head do not all add into the same dQ rows at the same moment (atomics on one address serialise in L2).
+template <class Traits, bool kRotate>
 __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
   const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
@@ -58,6 +70,7 @@ __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
   kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
   kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
+  kb.rotation = kRotate && kb.items > 0 ? cta.block % kb.query_tiles.size() : 0;
   return kb;
 }
 
@@ -119,7 +132,8 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
                                                make_coord(_, 0)));  // (TMA, TMA_M, TMA_D, m)
     Tensor tdOgdO = tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                                   make_coord(_, 0)));
-    for (int m_block = kb.query_tiles.begin; m_block < kb.query_tiles.end; ++m_block) {
+    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
+      const int m_block = kb.m_block(tile);
       pipeline.producer_acquire(write);
       auto* full = pipeline.producer_get_barrier(write);
       copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
@@ -139,8 +153,8 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
     const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
     const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
-    for (int m0 = kb.query_tiles.begin * Traits::kBlockM; m0 < kb.query_tiles.end * Traits::kBlockM;
-         m0 += Traits::kBlockM) {
+    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
+      const int m0 = kb.m_block(tile) * Traits::kBlockM;
       const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
       pipeline.producer_acquire(write);
       float* lse_log2 = smem.lse_log2[write.index()];
@@ -157,9 +171,10 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   }
 }
 
-// Consumer warpgroup `group`: dK and dV of its 64 keys over every item, then the epilogue.
+// Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
+// item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits>
+template <class Traits, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
@@ -196,6 +211,19 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
 
+  // Fused dQ: dS (query, key, buffer) written through its transposed view from the S^T-shaped accumulators;
+  // this consumer's column slice of K^T as the B operand.
+  Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+  Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDsT{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+  constexpr int kDqCols = Traits::kDqCols;
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(thread % 128);
+  Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
+  Tensor frag_kt = thr_dq.partition_fragment_B(
+      local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(group, 0)));
+  Tensor dq_coords = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
+
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   for (int item = 0; item < kb.items; ++item) {
@@ -222,19 +250,39 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     Tensor score_grads = sm80::converted<T>(acc_dp);
     Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
     Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+    const int buffer = item & 1;
+    if constexpr (kFusedDq) {
+      // Buffer `buffer` is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
+      // barrier, which this consumer has passed.
+      copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
+      cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the WGMMA (async proxy) reads
+      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
+    }
     issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
     issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
-    // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
-    warpgroup_wait<0>();
-    pipeline_qdo.consumer_release(read);
+    if constexpr (kFusedDq) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+      Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+      issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+      warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
+      pipeline_qdo.consumer_release(read);
+      warpgroup_wait<0>();
+      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols);
+    } else {
+      // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
+      warpgroup_wait<0>();
+      pipeline_qdo.consumer_release(read);
+    }
     ++read;
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
-  // of K and V (and have retired), so dK and dV are staged there for 16-byte row stores.
+  // of V, and of K too except the fused dQ's, which read all of K: dV and dK are staged in this warpgroup's rows
+  // of V and K for 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);
   copy(dv_out, thr_dkv.partition_C(sV));
+  if constexpr (kFusedDq) named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = sm80::converted<T>(acc_dk);
@@ -245,7 +293,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
 }
 
-template <class Traits>
+template <class Traits, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
@@ -253,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
-  const KeyBlock kb = locate_key_block<Traits>(p);
+  const KeyBlock kb = locate_key_block<Traits, kFusedDq>(p);
   if (kb.items == 0) {  // no query sees these keys
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
     store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
@@ -296,7 +344,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_query_tiles<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    consume_query_tiles<Traits, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
   }
 }
 

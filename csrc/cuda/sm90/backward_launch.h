@@ -1,12 +1,17 @@
 // Host launcher of the Hopper backward for one (head dim, element type); instantiated once per generated .cu
-// (sm_90a only). Same three passes as sm80/backward_launch.h, no atomics anywhere (bit-reproducible):
+// (sm_90a only):
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
 //   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
-//   3. dQ pass (backward_dq_kernel.h), one CTA per query tile and head
+//   3. with a dq_accum workspace (not deterministic): dQ was summed into it by step 2 (zeroed first); one
+//      elementwise pass scales and converts it (dq_accum.h). Otherwise, and always for deterministic calls, the
+//      dQ pass (backward_dq_kernel.h), one CTA per query tile and head, recomputes S and dP: no atomics
+//      anywhere, bit-reproducible.
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -16,6 +21,7 @@
 #include "backward_dkdv_kernel.h"
 #include "backward_dq_kernel.h"
 #include "backward_traits.h"
+#include "dq_accum.h"
 #include "forward_launch.h"  // bshd_tensor
 
 namespace jax_flash::cuda::sm90 {
@@ -41,14 +47,14 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};
 }
 
-template <int kHeadDim, class Element>
+template <int kHeadDim, class Element, bool kFusedDq>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   using namespace cute;
   using Traits = DkdvTraits<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
-  auto kernel = dkdv_kernel<Traits>;
+  auto kernel = dkdv_kernel<Traits, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid);
@@ -79,6 +85,18 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   return sm80::last_launch_error("sm90 dQ kernel launch");
 }
 
+// JAX_FLASH_SM90_FUSED_DQ (read at every call): unset, "" or "1" sums dQ in the dK/dV pass when the call gives a
+// dq_accum workspace; "0" always runs the separate dQ pass (for comparisons).
+inline std::string fused_dq_switch(bool* fused) {
+  const char* env = std::getenv("JAX_FLASH_SM90_FUSED_DQ");
+  const std::string value = env ? env : "";
+  if (value != "" && value != "0" && value != "1") {
+    return "JAX_FLASH_SM90_FUSED_DQ must be 0 or 1, not '" + value + "'";
+  }
+  *fused = value != "0";
+  return {};
+}
+
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
@@ -90,8 +108,23 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (std::string err = launch_dkdv<kHeadDim, Element>(p, stream); !err.empty()) return err;
-  return launch_dq<kHeadDim, Element>(p, stream);
+  bool fused = false;
+  if (std::string err = fused_dq_switch(&fused); !err.empty()) return err;
+  if (!fused || p.dq_accum == nullptr || p.deterministic) {
+    if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
+    return launch_dq<kHeadDim, Element>(p, stream);
+  }
+  const int64_t dq_count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  if (cudaMemsetAsync(p.dq_accum, 0, dq_count * sizeof(float), stream) != cudaSuccess) {
+    return sm80::last_launch_error("sm90 backward: zeroing dq_accum");
+  }
+  if (std::string err = launch_dkdv<kHeadDim, Element, true>(p, stream); !err.empty()) return err;
+  constexpr int kConvertThreads = 256;
+  const int64_t convert_blocks = std::min<int64_t>(ceil_div(dq_count / 4, kConvertThreads), 65536);
+  if (convert_blocks > 0) {
+    dq_from_accum_kernel<Element><<<static_cast<unsigned>(convert_blocks), kConvertThreads, 0, stream>>>(p, dq_count);
+  }
+  return sm80::last_launch_error("sm90 dQ conversion kernel launch");
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -17,12 +17,13 @@ struct BackwardTile {
 
 // Registers per consumer thread (240 after setmaxnreg), floats: dK/dV kernel S^T and dP^T block_m / 2 each,
 // dK and dV head_dim / 2 each; dQ kernel S and dP block_n / 2 each, dQ head_dim / 2.
-// smem bytes: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2;
+// smem bytes: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2 + 2 * block_m * block_n * 2 (dS);
 //             dQ    2 * block_m * d * 2 + stages * 2 * block_n * d * 2.
 constexpr BackwardTile dkdv_tile(int head_dim) {
   // d=64 with 128-row query tiles (64 + 64 + 32 + 32 floats) spilled; 64 rows and a third stage instead.
-  return head_dim <= 64 ? BackwardTile{64, 128, 3}     // d=64:  32 + 48 KiB; 32 + 32 + 32 + 32 floats
-                        : BackwardTile{64, 128, 2};    // d=128: 64 + 64 KiB; 32 + 32 + 64 + 64 floats
+  // Fused dQ adds head_dim / 4 floats (the dQ slice) while S^T and dP^T are already converted.
+  return head_dim <= 64 ? BackwardTile{64, 128, 3}     // d=64:  32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
+                        : BackwardTile{64, 128, 2};    // d=128: 64 + 64 + 32 KiB; 32 + 32 + 64 + 64 floats
 }
 constexpr BackwardTile dq_tile(int head_dim) {
   return head_dim <= 64 ? BackwardTile{128, 128, 2}    // d=64:  32 + 64 KiB; 64 + 64 + 32 floats
@@ -84,11 +85,28 @@ struct DkdvTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       GroupLayout{}));
 
-  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+  // Fused dQ (backward_dkdv_kernel.h, when the call gives a dq_accum workspace): dQ = dS K per query tile,
+  // consumer g computing head-dim columns [g * kDqCols, (g + 1) * kDqCols) over all kBlockN keys. dS (both
+  // consumers' keys) goes through shared memory, double-buffered by item parity.
+  static constexpr int kDqCols = kHeadDim / kConsumerGroups;
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>()));
+
+  // K's swizzle atom is at most kDqCols wide, so that a consumer's column slice of K^T is whole atoms (one
+  // descriptor per slice); at d=128 that is the widest atom anyway.
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kDqCols>(),
                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also stages dK, dV
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));  // (d, key)
   using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
   using SmemLayoutQt = decltype(transposed_stages(SmemLayoutQ{}));
+  // dS as the MN-major A operand of dQ = dS K: (query, key, buffer), queries contiguous, which is also the
+  // order in which the S^T accumulators hold adjacent elements (two queries of one key).
+  using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutDsT = decltype(transposed_stages(SmemLayoutDs{}));  // (key, query, buffer)
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;   // Q and dO tiles, one barrier per stage for both
   using StatsPipeline = cutlass::PipelineAsync<kStages>;  // lse / softmax_d of the same tiles, filled by a warp
@@ -101,6 +119,7 @@ struct DkdvTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;  // fused dQ only
     float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
     float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
     typename Pipeline::SharedStorage pipeline_qdo;

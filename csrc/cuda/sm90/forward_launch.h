@@ -27,16 +27,27 @@ auto bshd_tensor(const void* data, int64_t seqlen, int64_t heads, int64_t head_d
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
 }
 
-// JAX_FLASH_SM90_PERSISTENT (read at every call): "1" launches a persistent grid (forward_kernel.h: each CTA loops
-// over tiles blockIdx.x, + gridDim.x, ...); unset, "" or "0" launches one CTA per tile. *max_ctas > 0 caps the
-// persistent grid: JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
-inline std::string persistent_switch(bool* persistent, int64_t* max_ctas) {
+// The persistent grid is the default for key sequences up to this length. Measured on the H200 (standalone
+// --bench-persistent, d = 64/128/256, causal and not, 16k tokens: benchmarks/results/
+// sm90_persistent_forward_bench_h200.log), it ran 1.01-1.21x as fast as one CTA per tile at seqlen 512-2048 (most
+// at 512-1024, where tiles are short and a CTA's next tile loads under the current tile's tail) but only
+// 0.94-1.02x at 8k.
+constexpr int64_t kPersistentMaxSeqlenK = 2048;
+
+// JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
+// each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= kPersistentMaxSeqlenK and one CTA per
+// tile otherwise; "1" forces the persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid:
+// JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
+inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas) {
   const char* env = std::getenv("JAX_FLASH_SM90_PERSISTENT");
   const std::string value = env ? env : "";
-  if (value != "" && value != "0" && value != "1") {
-    return "JAX_FLASH_SM90_PERSISTENT must be 0 or 1, not '" + value + "'";
+  if (value == "" || value == "auto") {
+    *persistent = seqlen_k <= kPersistentMaxSeqlenK;
+  } else if (value == "0" || value == "1") {
+    *persistent = value == "1";
+  } else {
+    return "JAX_FLASH_SM90_PERSISTENT must be 0, 1 or auto, not '" + value + "'";
   }
-  *persistent = value == "1";
   *max_ctas = 0;
   const char* cap = std::getenv("JAX_FLASH_SM90_PERSISTENT_CTAS");
   if (cap != nullptr && *cap != '\0') {
@@ -75,11 +86,11 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
+// One kernel form (forward_variant.h) on the tile of its score work (forward_tile: transforms or not).
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = ForwardTraits<kHeadDim, Element>;
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
+  using Traits = ForwardTraits<kHeadDim, Element, transforms_scores(kVariant)>;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},
@@ -98,7 +109,7 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   bool persistent = false;
   int64_t max_ctas = 0;
-  if (std::string err = persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
       !err.empty()) {
@@ -120,6 +131,7 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
 
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
   switch (forward_variant(p)) {
     case ForwardVariant::kCommon:
       return launch_forward_variant<kHeadDim, Element, ForwardVariant::kCommon>(p, stream);

@@ -8,8 +8,10 @@
 #                when the sources and build switches are those of the last build on this (warm) machine
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
-#   persistent   the sm90 forward's persistent mode (JAX_FLASH_SM90_PERSISTENT=1): both standalone grids with the
-#                grid capped at a few CTAs (each loops over many tiles) and uncapped, the three sanitizers on
+#   persistent   the sm90 forward's grid modes (the check stage runs the default, auto: persistent for every case
+#                of its grid): the standalone grid with one CTA per tile (JAX_FLASH_SM90_PERSISTENT=0); forced
+#                persistent (=1), both standalone grids with the grid capped at a few CTAs (each loops over many
+#                tiles) and uncapped, the three sanitizers on
 #                `--small` capped at 2 CTAs        persistent_bench  --bench-persistent (per-tile vs persistent timing,
 #                bit-identical outputs)
 #   dense90      (experimental) JAX_FLASH_SM90_DENSE=1: the standalone grid with bias/mask cases forced through the
@@ -90,6 +92,8 @@ sanitize() {
 
 persistent() {
   local ctas tool grid rc=0
+  echo "== check JAX_FLASH_SM90_PERSISTENT=0"
+  JAX_FLASH_SM90_PERSISTENT=0 "$check" || rc=1
   export JAX_FLASH_SM90_PERSISTENT=1
   for ctas in 1 3 ""; do
     for grid in "" "--sm90-backward"; do
@@ -110,8 +114,8 @@ persistent() {
 dense90() {
   local tool persistent rc=0
   export JAX_FLASH_SM90_DENSE=1
-  echo "== check JAX_FLASH_SM90_DENSE=1"
-  "$check" || rc=1
+  echo "== check JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=0"
+  JAX_FLASH_SM90_PERSISTENT=0 "$check" || rc=1
   echo "== check JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3"
   JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3 "$check" || rc=1
   for tool in memcheck racecheck synccheck; do

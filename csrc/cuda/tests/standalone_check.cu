@@ -7,8 +7,9 @@
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
 //                               modes' outputs are bit-identical
-//   The sm90 forward's persistent mode over the case grid: JAX_FLASH_SM90_PERSISTENT=1, plus
-//   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) so that small cases loop over many tiles per CTA.
+//   The sm90 forward's grid modes over the case grid: unset (auto) runs the persistent grid where seqlen_k <= 2048,
+//   i.e. every case of the grid; JAX_FLASH_SM90_PERSISTENT=0 forces one CTA per tile, =1 the persistent grid, and
+//   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) makes small cases loop over many tiles per CTA.
 //   JAX_FLASH_SM90_DENSE=1 standalone_check [--small]
 //                               (experimental) on a 9.x GPU, each case with a bias and/or mask but no dropout runs
 //                               its forward forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90: a refusal fails the case);
@@ -477,6 +478,8 @@ bool run_case(const Case& c, std::mt19937& rng) {
     p.dk = poisoned<uint16_t>(nk);
     p.dv = poisoned<uint16_t>(nk);
     p.softmax_d = poisoned<float>(nstat);
+    // Poisoned: the fused-dQ path must zero it itself; deterministic calls must leave it alone.
+    p.dq_accum = poisoned<float>(nq);
     err = jax_flash::cuda::run_backward(p, nullptr);
     if (!err.empty()) {
       std::printf("    run_backward: %s  FAIL\n", err.c_str());
@@ -504,6 +507,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
     for (void* ptr : {p.dq, p.dk, p.dv}) CHECK_CUDA(cudaFree(ptr));
     if (p.dbias) CHECK_CUDA(cudaFree(p.dbias));
     CHECK_CUDA(cudaFree(p.softmax_d));
+    CHECK_CUDA(cudaFree(p.dq_accum));
   }
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
                           static_cast<const void*>(p.o), static_cast<const void*>(p.alibi_slopes),
@@ -725,6 +729,7 @@ void bench() {
     p.lse = poisoned<float>(B * H * S);
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
+    p.dq_accum = poisoned<float>(n);
     std::vector<uint8_t> mask;
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
@@ -765,7 +770,8 @@ void bench() {
 }
 
 // Forward only, bf16, 16k tokens per call, 16 heads: one CTA per tile against the persistent grid
-// (JAX_FLASH_SM90_PERSISTENT=0 / 1, forced per call; JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
+// (JAX_FLASH_SM90_PERSISTENT=0 / 1, forced per call whatever the automatic choice would be;
+// JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
 // Both modes run the same tile code in the same order, so O and lse must be bit-identical.
 bool bench_forward_persistent() {
   const char* saved = std::getenv("JAX_FLASH_SM90_PERSISTENT");
