@@ -85,11 +85,11 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-// One variant (kTransforms: softcap, ALiBi, ...; sm80::needs_general_variant) with its own tile (forward_tile).
-template <int kHeadDim, class Element, bool kTransforms>
-std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
+template <int kHeadDim, class Element>
+std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = ForwardTraits<kHeadDim, Element, kTransforms>;
+  using Traits = ForwardTraits<kHeadDim, Element>;
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
   ForwardArgs<Traits> args{p,
                            TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},
@@ -104,7 +104,8 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
-  const auto kernel = forward_kernel<Traits, kTransforms>;
+  const bool general = sm80::needs_general_variant(p);
+  auto kernel = general ? forward_kernel<Traits, true> : forward_kernel<Traits, false>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   bool persistent = false;
   int64_t max_ctas = 0;
@@ -120,19 +121,15 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
                        static_cast<uint32_t>(p.heads_q / p.heads_kv)};
   if (persistent) {
     int64_t ctas = 0;
-    if (std::string err = resident_ctas<Traits, kTransforms>(&ctas); !err.empty()) return err;
+    if (std::string err = general ? resident_ctas<Traits, true>(&ctas) : resident_ctas<Traits, false>(&ctas);
+        !err.empty()) {
+      return err;
+    }
     if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
     grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
-}
-
-template <int kHeadDim, class Element>
-std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
-  return sm80::needs_general_variant(p) ? launch_forward_variant<kHeadDim, Element, true>(p, stream)
-                                        : launch_forward_variant<kHeadDim, Element, false>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90
