@@ -4,6 +4,8 @@ so eval_shape, jit and jax.export work without running anything; vmap folds mapp
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +66,18 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
     return o, lse
 
 
+def fused_dq_requested() -> bool:
+    """Whether ``JAX_FLASH_SM90_FUSED_DQ=1`` (read when a backward is traced) asks the Hopper backward to sum dQ
+    inside its dK/dV pass (atomic float32 adds into a workspace shaped like ``q``) instead of the default separate
+    dQ pass. Experimental: on the H200 it measured slower (benchmarks/NOTES.md). Deterministic calls and float32
+    inputs never use it; other kernel families ignore the workspace.
+    """
+    value = os.environ.get("JAX_FLASH_SM90_FUSED_DQ", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"JAX_FLASH_SM90_FUSED_DQ must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
              d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands | None = None,
              want_dbias: bool = False) -> tuple[jax.Array, ...]:
@@ -71,13 +85,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
     Two extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
-    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and a float32 twin of ``q`` in which
-    the Hopper backward sums dQ over key tiles (atomic adds, so not for ``deterministic``; float32 inputs have
-    their own dQ pass). Where it is not needed it is an empty placeholder.
+    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and ``dq_accum``, in which the Hopper
+    backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``); an empty placeholder
+    otherwise.
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
-    fused_dq = not config.deterministic and q.dtype != jnp.float32
+    fused_dq = fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32
     results = (
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),

@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
+from jax_flash import _registration
 from attention_cases import Case, assert_gradients_within_bound, feature_kwargs, grads
 
 GRAD_FEATURES = ("none", "causal", "window", "softcap", "alibi_batched_causal", "seqlens", "seqlens_causal",
@@ -91,3 +92,28 @@ def test_gradients_are_deterministic():
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             np.testing.assert_array_equal(a, b)
+
+
+def test_fused_dq_workspace_is_declared_only_on_request(monkeypatch):
+    """JAX_FLASH_SM90_FUSED_DQ=1 adds a float32 dq_accum result (like q) to the backward call, which the CPU handler
+    accepts and ignores: same gradients. Deterministic calls never get it; a bad value is a clear error."""
+    case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=32, dtype=jnp.bfloat16)
+    q, k, v = case.inputs()
+    d_o = jnp.ones_like(q)
+
+    def lowered(deterministic=False):
+        """The backward custom call's line of the lowered training step."""
+        text = jax.jit(lambda *a: grads(*a, deterministic=deterministic)).lower(q, k, v, d_o).as_text()
+        (line,) = [line for line in text.splitlines() if f"@{_registration.BACKWARD_TARGET}" in line]
+        return line
+
+    default = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
+    assert "tensor<1x50x4x32xf32>" not in lowered()
+    monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "1")
+    assert "tensor<1x50x4x32xf32>" in lowered()
+    assert "tensor<1x50x4x32xf32>" not in lowered(deterministic=True)
+    for a, b in zip(default, grads(q, k, v, d_o)):
+        np.testing.assert_array_equal(a, np.asarray(b.astype(jnp.float32)))
+    monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "yes")
+    with pytest.raises(ValueError, match="JAX_FLASH_SM90_FUSED_DQ"):
+        grads(q, k, v, d_o)

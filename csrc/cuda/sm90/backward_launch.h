@@ -2,16 +2,16 @@
 // (sm_90a only):
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
 //   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
-//   3. with a dq_accum workspace (not deterministic): dQ was summed into it by step 2 (zeroed first); one
-//      elementwise pass scales and converts it (dq_accum.h). Otherwise, and always for deterministic calls, the
-//      dQ pass (backward_dq_kernel.h), one CTA per query tile and head, recomputes S and dP: no atomics
-//      anywhere, bit-reproducible.
+//   3. with a dq_accum workspace (opt-in, JAX_FLASH_SM90_FUSED_DQ=1 in jax_flash/_ffi_calls.py; never for
+//      deterministic calls): dQ was summed into it by step 2 (zeroed first); one elementwise pass scales and
+//      converts it (dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per query tile and
+//      head, recomputes S and dP: no atomics anywhere, bit-reproducible. The separate pass is the default
+//      because it measured faster on the H200 (d=128 4k: 425 vs 362 TFLOP/s, benchmarks/NOTES.md).
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -85,18 +85,6 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   return sm80::last_launch_error("sm90 dQ kernel launch");
 }
 
-// JAX_FLASH_SM90_FUSED_DQ (read at every call): unset, "" or "1" sums dQ in the dK/dV pass when the call gives a
-// dq_accum workspace; "0" always runs the separate dQ pass (for comparisons).
-inline std::string fused_dq_switch(bool* fused) {
-  const char* env = std::getenv("JAX_FLASH_SM90_FUSED_DQ");
-  const std::string value = env ? env : "";
-  if (value != "" && value != "0" && value != "1") {
-    return "JAX_FLASH_SM90_FUSED_DQ must be 0 or 1, not '" + value + "'";
-  }
-  *fused = value != "0";
-  return {};
-}
-
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
@@ -108,9 +96,7 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  bool fused = false;
-  if (std::string err = fused_dq_switch(&fused); !err.empty()) return err;
-  if (!fused || p.dq_accum == nullptr || p.deterministic) {
+  if (p.dq_accum == nullptr || p.deterministic) {
     if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
     return launch_dq<kHeadDim, Element>(p, stream);
   }

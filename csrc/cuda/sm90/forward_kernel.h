@@ -6,17 +6,15 @@
 //    pipeline (per element as sm80 where the kernel form asks for it: softcap and ALiBi, plus bias and boolean mask
 //    in the dense form; forward_variant.h), an online-softmax step, O += P V by WGMMA with P from registers.
 // Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
-// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, a ring of named barriers
-// (one per consumer) makes their GEMM issues take turns, 0, 1, .., 0, 1, .. (pingpong with two consumers), so one
-// warpgroup's softmax hides under the others' GEMMs.
+// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
+// their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first across all (batch, head) slices.
 //
 // Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. CTA b runs tiles
-// b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (long key sequences),
-// or a persistent grid of about one CTA per SM (the default for seqlen_k <= 2048; JAX_FLASH_SM90_PERSISTENT,
-// forward_launch.h) whose CTAs walk the same longest-first order. Each tile is the same function in both cases;
-// only the loop around it is new.
+// b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (the default), or a
+// persistent grid of about one CTA per SM (JAX_FLASH_SM90_PERSISTENT=1, forward_launch.h) whose CTAs walk the
+// same longest-first order. Each tile is the same function in both cases; only the loop around it is new.
 //
 // Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
 // the CTA's non-empty tiles, 0, 1, 2, ...):
@@ -35,16 +33,12 @@
 //    ambiguous. No deadlock: before that wait the producer has issued all of round r's K/V, which the consumers
 //    need to reach their q_empty arrival; the next tile's first K load is issued before the wait (it needs only
 //    stages the consumers release in round r).
-//  - pingpong: one turn token circulates around the ring of consumers for the CTA's whole life: consumer g waits on
-//    barrier kTurnBarrier + g (its 128 threads sync, consumer g - 1's 128 arrive) and passes to g + 1 mod kGroups.
-//    Every consumer runs the same GEMM rounds per tile (one per key tile of the walk, + 1), so the turns go round
-//    in order.
-//    Consumer 0 takes the first turn (the last consumer hands it over at its first tile); every GEMM round of every
-//    tile ends by passing the turn, so consumer 0's first round of tile r + 1 follows the last consumer's last
-//    round of tile r. A barrier never gets a second arrival before its waiter's sync: consumer g - 1 passes to g
-//    again only after a full lap, which includes g's turn. Only the last consumer's final hand-over in the CTA's
-//    last tile is skipped (nobody would take it); when only empty tiles follow, that hand-over is made and simply
-//    never taken (a named barrier left with pending arrivals at exit).
+//  - pingpong: one turn token circulates between the consumers for the CTA's whole life: consumer 0 takes the
+//    first turn (the last consumer hands it over at its first tile), every GEMM round of every tile ends by
+//    passing the turn, so consumer 0's first round of tile r + 1 follows the last consumer's last round of tile
+//    r. Only the last consumer's final hand-over in the CTA's last tile is skipped (nobody would take it); when
+//    only empty tiles follow, that hand-over is made and simply never taken (a named barrier left with pending
+//    arrivals at exit).
 #pragma once
 
 #include <cmath>
@@ -68,12 +62,9 @@ namespace jax_flash::cuda::sm90 {
 
 using sm80::BshdShape;
 
-// Named barrier ids (16 per CTA, id 0 is __syncthreads): pingpong turn of consumer g is kTurnBarrier + g; epilogue
-// of consumer g kEpilogueBarrier + g.
+// Named barrier ids: pingpong turn of consumer g is kTurnBarrier + g; epilogue of consumer g kEpilogueBarrier + g.
 constexpr int kTurnBarrier = 1;
 constexpr int kEpilogueBarrier = 5;
-constexpr int kMaxConsumerGroups = kEpilogueBarrier - kTurnBarrier;  // the two ranges stay apart
-static_assert(kEpilogueBarrier + kMaxConsumerGroups <= 16);
 
 // Where one CTA's query tile lies and which key tiles it must visit; computed identically by every warpgroup.
 struct RowBlock {
@@ -286,6 +277,7 @@ template <class Traits>
 struct ConsumerProgress {
   typename Traits::PipelineState read;  // K and V advance in lock step
   int round = 0;                        // non-empty tiles done: the q_full / q_empty phase
+  bool turn_passed = false;             // (last consumer) consumer 0 already holds the first turn of our next tile
 };
 
 // Consumer warpgroup `group` (0-based among consumers), one tile: its 64 rows through every key tile, then the
@@ -315,10 +307,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   typename Traits::TiledMmaO mma_o;
   auto thr_mma_s = mma_s.get_thread_slice(thread);
   auto thr_mma_o = mma_o.get_thread_slice(thread);
-  // Q's smem descriptors are the same for the whole warpgroup: sliced with a warp-uniform thread index (a shuffle
-  // from lane 0) they live in uniform registers instead of taking 2 registers per k slice from every thread.
-  const int group_thread0 = __shfl_sync(0xffffffffu, group * 128, 0);
-  Tensor frag_q = mma_s.get_thread_slice(group_thread0).partition_fragment_A(sQ);  // smem descriptors
+  Tensor frag_q = thr_mma_s.partition_fragment_A(sQ);   // smem descriptors
   Tensor frag_k = thr_mma_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor frag_vt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
 
@@ -330,7 +319,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   softmax.reset();
   const float to_log2 = sm80::ScoreTile<transforms_scores(kVariant)>::to_log2(p);
 
-  // Pingpong: a consumer issues GEMMs only on its turn, then hands the turn to the next consumer of the ring.
+  // Pingpong: a consumer issues GEMMs only on its turn, then hands the turn to the next consumer.
   const int last_group = kGroups - 1;
   auto wait_turn = [&] {
     if constexpr (kGroups > 1) named_barrier_sync(kTurnBarrier + group, 2 * 128);
@@ -343,7 +332,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
       }
     }
   };
-  static_assert(kGroups <= kMaxConsumerGroups, "named barrier ids of the turns and epilogues would collide");
+  static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
 
   // (dense form) The row block's summary row, rebuilt at each use (row_block_mask_blocks says why), and whether
   // tile n_block reads mask elements (not where its mask blocks are all visible). Both are evaluated before a tile's
@@ -395,10 +384,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
 
   typename Traits::PipelineState& read = progress.read;
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, progress.round & 1);
-  // Consumer 0 goes first: in the CTA's first (non-empty) tile the last consumer hands it the turn here; later, its
-  // final hand-over of the previous tile did (made because that tile was not the CTA's last: this one followed).
+  // Consumer 0 goes first: in the CTA's first tile the last consumer hands it the turn here; later, its final
+  // hand-over of the previous tile did.
   if constexpr (kGroups > 1) {
-    if (group == last_group && progress.round == 0) named_barrier_arrive(kTurnBarrier, 2 * 128);
+    if (group == last_group && !progress.turn_passed) named_barrier_arrive(kTurnBarrier, 2 * 128);
   }
 
   // First tile: S only.
@@ -454,11 +443,12 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   pipeline_v.consumer_wait(previous);
   issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
   pass_turn(true);
+  if (group == last_group) progress.turn_passed = !last_tile;
   warpgroup_wait<0>();
   pipeline_v.consumer_release(previous);
 
   // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of the O buffer (or of Q's buffer, whose
-  // Q K^T GEMMs have retired; the other consumers read only their own rows); 16-byte row stores; lse from one lane
+  // Q K^T GEMMs have retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane
   // per quad.
   float lse[kRows];
   softmax.finalize(sm80::as_rows_cols(sm80_view(acc_o)), to_log2, lse);

@@ -86,11 +86,11 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-// One kernel form (forward_variant.h) on the tile of its score work (forward_tile: transforms or not).
+// One kernel form (forward_variant.h).
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = ForwardTraits<kHeadDim, Element, transforms_scores(kVariant)>;
+  using Traits = ForwardTraits<kHeadDim, Element>;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},

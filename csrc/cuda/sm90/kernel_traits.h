@@ -25,15 +25,11 @@ struct ForwardTile {
 
 // smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200,
 // plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer).
-// Register budget per consumer thread after setmaxnreg (240 with two consumers, 160 with three): O is
-// head_dim / 2 floats, S block_n / 2 floats, P block_n / 4 registers.
-// `general`: the variant with score transforms (softcap, ALiBi, ...: sm80::needs_general_variant). At d=64 the
-// common variant takes three consumers (192 rows, as FlashAttention-3 does): no spills in 160 registers (ptxas),
-// while the general variant spilled over 1 KiB there and keeps two.
-constexpr ForwardTile forward_tile(int head_dim, bool general) {
+// Register budget per consumer thread (240 after setmaxnreg): O is head_dim / 2 floats, S and the next S are
+// block_n / 2 floats each, P block_n / 4 registers.
+constexpr ForwardTile forward_tile(int head_dim) {
   switch (head_dim) {
-    case 64: return general ? ForwardTile{128, 128, 3}   //  16 + 96 (+ 16 O) = 128 KiB
-                            : ForwardTile{192, 128, 3};  //  24 + 96 (+ 24 O) = 144 KiB
+    case 64: return {128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
     case 128: return {128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
     default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
@@ -55,24 +51,21 @@ constexpr auto k_major_smem_atom() {
   }
 }
 
-template <int kHeadDim_, class Element_, bool kGeneral>
+template <int kHeadDim_, class Element_>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr ForwardTile kTile = forward_tile(kHeadDim, kGeneral);
+  static constexpr ForwardTile kTile = forward_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
   static constexpr int kConsumerGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers
-  // (multiples of 8; 128 * producer + consumer threads * consumer <= 65536).
-  static constexpr int kProducerRegisters = kConsumerGroups == 2 ? 24 : 32;
+  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers.
+  static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
-  static_assert(kConsumerGroups == 2 || kConsumerGroups == 3, "register split and pingpong for 2 or 3 consumers");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
-  static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0);
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
 
   using BlockMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T

@@ -84,7 +84,11 @@ sanitize() {
   for tool in memcheck racecheck synccheck; do
     for grid in "--small" "--sm90-backward --small"; do
       echo "== $tool $grid"
-      compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid 2>&1 | tail -n 4 || rc=1
+      # The whole report under its own name; here its end and any failing check line.
+      compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid > "$out/sanitize_${tool}${grid// /_}.log" 2>&1 ||
+        rc=1
+      grep -B8 "FAIL" "$out/sanitize_${tool}${grid// /_}.log" | head -n 40
+      tail -n 4 "$out/sanitize_${tool}${grid// /_}.log"
     done
   done
   return $rc
