@@ -6,11 +6,11 @@ backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls after war
 backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
-      [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout] [--float32]
+      [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout softcap] [--float32]
 jax_flash_sm80 forces the sm80 kernels forward and backward (JAX_FLASH_CUDA_KERNEL[_BACKWARD]=sm80,
 csrc/cuda/README.md); jax_flash_sm90 forces the Hopper forward and lets the backward choose (the Hopper backward
 where it has a kernel, d <= 128; sm80 above), which is what a plain call does on an H100/H200.
---features adds padding-mask / dropout rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
+--features adds padding-mask / dropout / softcap rows (see --help); --float32 compares jax_flash's float32 modes (tf32,
 highest) with XLA float32 attention at default and "highest" matmul precision.
 Writes benchmarks/results/attention_<gpu>_<date>[_<tag>].json and a .png plot of TFLOP/s vs seqlen.
 --memory (--memory-only: nothing else) also runs forward + backward at seqlen 128k (d=128, batch 1, 16 heads) in fresh processes and reports
@@ -37,8 +37,11 @@ BACKWARD_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "auto"}  # JAX_FL
 FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
 
 
-FEATURES = ("none", "padding_mask", "dropout")
+FEATURES = ("none", "padding_mask", "dropout", "softcap")
 DROPOUT_RATE = 0.1
+SOFTCAP = 50.0  # Gemma 2's attention logit softcap
+# Features jax.nn does not expose: the cudnn/xla rows of these run without them.
+JAX_FLASH_ONLY_FEATURES = ("dropout", "softcap")
 
 
 def padding_mask(batch: int, seqlen: int):
@@ -50,7 +53,7 @@ def padding_mask(batch: int, seqlen: int):
 
 
 def attention_fn(implementation: str, causal: bool, feature: str = "none", batch: int = 1, seqlen: int = 1):
-    """feature "dropout": jax.nn does not expose cuDNN's dropout, so cudnn/xla rows run without it."""
+    """features "dropout" and "softcap": jax.nn exposes neither, so cudnn/xla rows run without them."""
     import jax
 
     import jax_flash
@@ -68,7 +71,8 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
         return xla_float32
     mask = padding_mask(batch, seqlen) if feature == "padding_mask" else None
     if implementation in KERNEL_FAMILY:
-        extra = {"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout" else {}
+        extra = ({"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout"
+                 else {"softcap": SOFTCAP} if feature == "softcap" else {})
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra)
     if mask is not None:  # jax.nn's cuDNN path wants the mask's query axis at full length (it becomes a bias)
         mask = jax.numpy.broadcast_to(mask, (batch, 1, seqlen, seqlen))
@@ -131,8 +135,8 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
     row = {"impl": implementation, "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads,
            "causal": causal, "feature": feature, "fwd_tflops": None, "bwd_tflops": None}
-    if feature == "dropout" and implementation not in KERNEL_FAMILY:
-        row["note"] = "without dropout (jax.nn exposes no dropout)"
+    if feature in JAX_FLASH_ONLY_FEATURES and implementation not in KERNEL_FAMILY:
+        row["note"] = f"without {feature} (jax.nn exposes no {feature})"
     try:
         forward = jax.jit(attend)
         row["fwd_tflops"] = flops / median_seconds(forward, (q, k, v), reps) / 1e12
@@ -234,7 +238,8 @@ def main() -> None:
     parser.add_argument("--forward-only", action="store_true", help="skip the backward timings")
     parser.add_argument("--features", nargs="+", default=["none"], choices=FEATURES,
                         help="padding_mask: a [batch, 1, 1, seqlen] boolean key-padding mask on every implementation; "
-                             "dropout: rate 0.1 on jax_flash only (jax.nn has no dropout; the others run without)")
+                             "dropout: rate 0.1, softcap: 50 (the Hopper forward's transforms form), on jax_flash only "
+                             "(jax.nn has neither; the others run without)")
     parser.add_argument("--memory", action="store_true", help="also the 128k peak-memory comparison")
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory comparison")
     parser.add_argument("--memory-seqlen", type=int, default=131072)
@@ -313,7 +318,7 @@ def print_ratio_table(rows: list[dict], baseline: str = "cudnn", implementations
         ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r[key] and ref[key] else "-")
         print(f"  {r['impl']:15s} d={r['head_dim']:3d} causal={int(r['causal'])} seqlen={r['seqlen']:5d} "
               f"{r.get('feature', 'none')}: {ratio('fwd_tflops')} / {ratio('bwd_tflops')}"
-              + (f" ({baseline} without dropout)" if r.get("feature") == "dropout" else ""))
+              + (f" ({baseline} without {r['feature']})" if r.get("feature") in JAX_FLASH_ONLY_FEATURES else ""))
 
 
 if __name__ == "__main__":
