@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes one .cu per (direction, head dim, element type) into sm80/instantiations/, one per (direction, head dim,
-element type) of the Hopper kernels into sm90/instantiations/, and one per (direction, head dim) of the float32 kernels
+element type) of the Hopper kernels into sm90/instantiations/ (plus one per forward kernel form), and one per (direction, head dim) of the float32 kernels
 into f32/instantiations/.
 
 Run after changing the table below; the generated files are committed so builds need no Python.
@@ -17,6 +17,10 @@ DIRECTIONS = {
 }
 SM90_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
+# The Hopper forward's kernel forms (sm90/forward_variant.h), one translation unit each so they compile in parallel.
+SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
+SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVariant::{form}>(const AttentionParams&, "
+                     "cudaStream_t);")
 SM90_BACKWARD_HEAD_DIMS = (64, 128)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 F32_DIRECTIONS = {
@@ -42,8 +46,13 @@ def main() -> None:
                 files[root / "sm80" / "instantiations" / f"{direction}_hdim{d}_{short}.cu"] = text
     for d in SM90_HEAD_DIMS:
         for short, cpp in ELEMENT_TYPES.items():
-            text = TEMPLATE.format(header="forward_launch.h", family="sm90", declaration=SM90_FORWARD.format(d=d, t=cpp))
+            text = TEMPLATE.format(header="forward_dispatch.h", family="sm90",
+                                   declaration=SM90_FORWARD.format(d=d, t=cpp))
             files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}.cu"] = text
+            for name, form in SM90_FORWARD_FORMS.items():
+                text = TEMPLATE.format(header="forward_launch.h", family="sm90",
+                                       declaration=SM90_FORWARD_FORM.format(d=d, t=cpp, form=form))
+                files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}_{name}.cu"] = text
     for d in SM90_BACKWARD_HEAD_DIMS:
         for short, cpp in ELEMENT_TYPES.items():
             text = TEMPLATE.format(header="backward_launch.h", family="sm90",

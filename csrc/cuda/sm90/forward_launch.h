@@ -11,6 +11,7 @@
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
 #include "../sm80/launch_common.h"
+#include "forward_dispatch.h"
 #include "forward_kernel.h"
 #include "forward_variant.h"
 #include "kernel_traits.h"
@@ -86,7 +87,7 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-// One kernel form (forward_variant.h).
+// One kernel form (forward_variant.h); forward_dispatch.h picks it per call.
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   using namespace cute;
@@ -127,20 +128,6 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
-}
-
-template <int kHeadDim, class Element>
-std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
-  switch (forward_variant(p)) {
-    case ForwardVariant::kCommon:
-      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kCommon>(p, stream);
-    case ForwardVariant::kTransforms:
-      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kTransforms>(p, stream);
-    case ForwardVariant::kDense:
-      return launch_forward_variant<kHeadDim, Element, ForwardVariant::kDense>(p, stream);
-  }
-  return "sm90 forward: unknown kernel form";
 }
 
 }  // namespace jax_flash::cuda::sm90
