@@ -339,27 +339,31 @@ bool sm90_dense_forward(const Case& c) {
          c.head_dim <= 256 && c.seqlen_k > 0;
 }
 
-// JAX_FLASH_CUDA_KERNEL=sm90 for one run_forward call when `force`, the caller's setting back by restore().
-struct ForcedForward {
-  bool force;
-  bool had = false;
-  std::string previous;
-  explicit ForcedForward(bool force_sm90) : force(force_sm90) {
-    if (!force) return;
-    const char* env = std::getenv("JAX_FLASH_CUDA_KERNEL");
-    had = env != nullptr;
-    previous = env ? env : "";
-    setenv("JAX_FLASH_CUDA_KERNEL", "sm90", 1);
-    std::printf("    [forward: sm90, JAX_FLASH_SM90_DENSE=1]\n");
+// An environment variable the dispatcher reads at every call, set for a scope: the caller's value (or its absence)
+// comes back when the scope ends.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* current = std::getenv(name);
+    had_ = current != nullptr;
+    previous_ = current ? current : "";
+    set(value);
   }
-  void restore() const {
-    if (!force) return;
-    if (had) {
-      setenv("JAX_FLASH_CUDA_KERNEL", previous.c_str(), 1);
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, previous_.c_str(), 1);
     } else {
-      unsetenv("JAX_FLASH_CUDA_KERNEL");
+      unsetenv(name_);
     }
   }
+  void set(const char* value) const { setenv(name_, value, 1); }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string previous_;
 };
 
 bool run_case(const Case& c, std::mt19937& rng) {
@@ -454,9 +458,14 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.v = to_device(v.bits);
   p.o = poisoned<uint16_t>(nq);
   p.lse = poisoned<float>(nstat);
-  const ForcedForward forced(sm90_dense_forward(c));
-  std::string err = jax_flash::cuda::run_forward(p, nullptr);
-  forced.restore();
+  std::string err;
+  if (sm90_dense_forward(c)) {
+    const ScopedEnv forced("JAX_FLASH_CUDA_KERNEL", "sm90");
+    std::printf("    [forward: sm90, JAX_FLASH_SM90_DENSE=1]\n");
+    err = jax_flash::cuda::run_forward(p, nullptr);
+  } else {
+    err = jax_flash::cuda::run_forward(p, nullptr);
+  }
   if (!err.empty()) {
     std::printf("    run_forward: %s  FAIL\n", err.c_str());
     return false;
@@ -671,25 +680,19 @@ Params square_bf16_problem(int64_t B, int64_t S, int64_t H, int64_t D, bool caus
 template <class TimeMs>
 void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_ms) {
   const size_t n = p.batch * p.seqlen_q * p.heads_q * p.head_dim, nstat = p.batch * p.heads_q * p.seqlen_q;
-  const char* saved = std::getenv("JAX_FLASH_SM90_DENSE");
-  const std::string previous = saved ? saved : "";
+  const ScopedEnv dense_switch("JAX_FLASH_SM90_DENSE", "0");
   std::vector<uint16_t> o[2];
   std::vector<float> lse[2];
   std::string err;
   float ms[2] = {0.0f, 0.0f};
   for (int dense = 0; dense < 2 && err.empty(); ++dense) {
-    setenv("JAX_FLASH_SM90_DENSE", dense ? "1" : "0", 1);
+    dense_switch.set(dense ? "1" : "0");
     CHECK_CUDA(cudaMemset(p.o, 0xFF, n * sizeof(uint16_t)));
     err = jax_flash::cuda::run_forward(p, nullptr);
     CHECK_CUDA(cudaDeviceSynchronize());
     o[dense] = to_host(static_cast<const uint16_t*>(p.o), n);
     lse[dense] = to_host(p.lse, nstat);
     if (err.empty()) ms[dense] = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
-  }
-  if (saved) {
-    setenv("JAX_FLASH_SM90_DENSE", previous.c_str(), 1);
-  } else {
-    unsetenv("JAX_FLASH_SM90_DENSE");
   }
   if (!err.empty()) {
     std::printf("bench padding-mask fwd, JAX_FLASH_SM90_DENSE=1: run_forward: %s\n", err.c_str());
@@ -781,8 +784,7 @@ void bench() {
 // JAX_FLASH_SM90_PERSISTENT_CTAS is left as the caller set it).
 // Both modes run the same tile code in the same order, so O and lse must be bit-identical.
 bool bench_forward_persistent() {
-  const char* saved = std::getenv("JAX_FLASH_SM90_PERSISTENT");
-  const std::string previous = saved ? saved : "";
+  const ScopedEnv mode_switch("JAX_FLASH_SM90_PERSISTENT", "0");
   bool all_identical = true;
   const int64_t kTokens = 16384, H = 16;
   for (int64_t D : {64, 128, 256}) {
@@ -805,7 +807,7 @@ bool bench_forward_persistent() {
         std::vector<float> lse[2];
         std::string err;
         for (int mode = 0; mode < 2; ++mode) {
-          setenv("JAX_FLASH_SM90_PERSISTENT", mode ? "1" : "0", 1);
+          mode_switch.set(mode ? "1" : "0");
           CHECK_CUDA(cudaMemset(p.o, 0xFF, n * sizeof(uint16_t)));
           CHECK_CUDA(cudaMemset(p.lse, 0xFF, nstat * sizeof(float)));
           err = jax_flash::cuda::run_forward(p, nullptr);
@@ -844,11 +846,6 @@ bool bench_forward_persistent() {
     CHECK_CUDA(cudaFree(out));
     CHECK_CUDA(cudaFree(out_lse));
   }
-  if (saved) {
-    setenv("JAX_FLASH_SM90_PERSISTENT", previous.c_str(), 1);
-  } else {
-    unsetenv("JAX_FLASH_SM90_PERSISTENT");
-  }
   std::printf("persistent forward bench: %s\n", all_identical ? "all outputs bit-identical" : "FAIL");
   return all_identical;
 }
@@ -867,7 +864,7 @@ int main(int argc, char** argv) {
   if (bench_persistent) return bench_forward_persistent() ? 0 : 1;
   if (bench_only) {
     const char* backward = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
-    std::printf("backward family: JAX_FLASH_CUDA_KERNEL_BACKWARD=%s\n", backward ? backward : "(unset: sm80)");
+    std::printf("backward family: JAX_FLASH_CUDA_KERNEL_BACKWARD=%s\n", backward ? backward : "(unset: auto)");
     bench();
     return 0;
   }
