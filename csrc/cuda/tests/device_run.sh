@@ -22,6 +22,7 @@
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
+#   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ)
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
@@ -139,6 +140,21 @@ bench_cuda() {
   done
 }
 
+# Where the Hopper backward's time goes: Nsight Compute on one launch each of the fused-dQ dK/dV kernel, the plain
+# dK/dV kernel and the dQ kernel of the standalone --bench (d=128 4k non-causal, its first case). In --bench each
+# backward mode runs 23 times (3 warm-up + 20 timed), fused first: dK/dV launch 0 is fused, launch 23 plain.
+ncu_bwd() {
+  local sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+                  --section WarpStateStats --section SchedulerStats --section LaunchStats)
+  export JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90
+  echo "== fused-dQ dK/dV kernel"
+  ncu --kernel-name regex:dkdv_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench || return 1
+  echo "== dK/dV kernel (separate dQ pass)"
+  ncu --kernel-name regex:dkdv_kernel --launch-skip 23 --launch-count 1 "${sections[@]}" "$check" --bench || return 1
+  echo "== dQ kernel"
+  ncu --kernel-name regex:dq_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench
+}
+
 if [ "${1:-}" = __function ]; then
   shift
   "$@"
@@ -161,6 +177,7 @@ run_stage() {
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
+    ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
