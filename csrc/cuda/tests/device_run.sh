@@ -80,16 +80,23 @@ build() {
   echo "$stamp" > build/.stamp
 }
 
+# sanitized NAME TOOL ARGS...: compute-sanitizer --tool TOOL over the standalone check with ARGS, its whole report in
+# $out/NAME.log; printed here: any failing case (with the lines before it) and the report's end.
+sanitized() {
+  local log="$out/$1.log" tool=$2 rc=0
+  shift 2
+  compute-sanitizer --tool "$tool" --error-exitcode 3 "$check" "$@" > "$log" 2>&1 || rc=1
+  grep -B8 "FAIL" "$log" | head -n 40
+  tail -n 4 "$log"
+  return $rc
+}
+
 sanitize() {
   local tool grid rc=0
   for tool in memcheck racecheck synccheck; do
     for grid in "--small" "--sm90-backward --small"; do
       echo "== $tool $grid"
-      # The whole report under its own name; here its end and any failing check line.
-      compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid > "$out/sanitize_${tool}${grid// /_}.log" 2>&1 ||
-        rc=1
-      grep -B8 "FAIL" "$out/sanitize_${tool}${grid// /_}.log" | head -n 40
-      tail -n 4 "$out/sanitize_${tool}${grid// /_}.log"
+      sanitized "sanitize_${tool}${grid// /_}" "$tool" $grid || rc=1
     done
   done
   return $rc
@@ -109,8 +116,7 @@ persistent() {
   for tool in memcheck racecheck synccheck; do
     for grid in "--small" "--sm90-backward --small"; do
       echo "== $tool $grid JAX_FLASH_SM90_PERSISTENT_CTAS=2"
-      JAX_FLASH_SM90_PERSISTENT_CTAS=2 compute-sanitizer --tool $tool --error-exitcode 3 "$check" $grid 2>&1 |
-        tail -n 4 || rc=1
+      JAX_FLASH_SM90_PERSISTENT_CTAS=2 sanitized "persistent_${tool}${grid// /_}" "$tool" $grid || rc=1
     done
   done
   return $rc
@@ -127,7 +133,7 @@ dense90() {
     for persistent in 0 1; do
       echo "== $tool --small JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=$persistent (CTAS=2)"
       JAX_FLASH_SM90_PERSISTENT=$persistent JAX_FLASH_SM90_PERSISTENT_CTAS=2 \
-        compute-sanitizer --tool $tool --error-exitcode 3 "$check" --small 2>&1 | tail -n 4 || rc=1
+        sanitized "dense90_${tool}_persistent$persistent" "$tool" --small || rc=1
     done
   done
   return $rc
