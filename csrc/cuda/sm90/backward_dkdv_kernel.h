@@ -47,17 +47,12 @@ struct KeyBlock {
   SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
   TileSpan query_tiles;
   int items;            // group * query_tiles.size()
-  int rotation;         // each head's query tiles run from query_tiles.begin + rotation, wrapping around
 
   __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
-  __device__ int m_block(int item) const {
-    return query_tiles.begin + (item % query_tiles.size() + rotation) % query_tiles.size();
-  }
+  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
 };
 
-// kRotate (fused dQ): key block n starts its walk over the query tiles n tiles later, so that the CTAs of one
-// head do not all add into the same dQ rows at the same moment (atomics on one address serialise in L2).
-template <class Traits, bool kRotate>
+template <class Traits>
 __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
   const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
@@ -70,7 +65,6 @@ __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
   kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
   kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
-  kb.rotation = kRotate && kb.items > 0 ? cta.block % kb.query_tiles.size() : 0;
   return kb;
 }
 
@@ -301,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
-  const KeyBlock kb = locate_key_block<Traits, kFusedDq>(p);
+  const KeyBlock kb = locate_key_block<Traits>(p);
   if (kb.items == 0) {  // no query sees these keys
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
     store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
