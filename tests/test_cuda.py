@@ -100,11 +100,13 @@ def test_forward_features(feature, dtype, seqlens, heads, kernel, monkeypatch):
     check_forward_on_gpu(case, **feature_kwargs(feature, case))
 
 
-@pytest.mark.parametrize("feature", ("causal", "everything"))
-def test_forward_sm90_long_sequences(feature, monkeypatch):
-    """Many key tiles through the sm90 pipeline (stages wrap around several times), GQA, ragged lengths."""
-    use_forward_kernel(monkeypatch, "sm90", 128)
-    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
+@pytest.mark.parametrize("head_dim", (128, 64))
+@pytest.mark.parametrize("feature", ("none", "causal", "everything"))
+def test_forward_sm90_long_sequences(feature, head_dim, monkeypatch):
+    """Many key tiles through the sm90 pipeline (stages wrap around several times), GQA, ragged lengths;
+    seqlen_k > 2048 runs one CTA per tile, at d=64 in the common form's 192-row tile (three consumers)."""
+    use_forward_kernel(monkeypatch, "sm90", head_dim)
+    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=11)
     check_forward_on_gpu(case, **feature_kwargs(feature, case))
 

@@ -6,8 +6,9 @@
 //    pipeline (per element as sm80 where the kernel form asks for it: softcap and ALiBi, plus bias and boolean mask
 //    in the dense form; forward_variant.h), an online-softmax step, O += P V by WGMMA with P from registers.
 // Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
-// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, two named barriers make
-// their GEMM issues alternate (pingpong), so one warpgroup's softmax hides under the other's GEMMs.
+// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, a ring of named barriers
+// (one per consumer) makes their GEMM issues take turns (pingpong with two consumers; three at d=64 on long key
+// sequences, kernel_traits.h), so one warpgroup's softmax hides under the others' GEMMs.
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first across all (batch, head) slices.
 //
@@ -62,9 +63,12 @@ namespace jax_flash::cuda::sm90 {
 
 using sm80::BshdShape;
 
-// Named barrier ids: pingpong turn of consumer g is kTurnBarrier + g; epilogue of consumer g kEpilogueBarrier + g.
+// Named barrier ids (16 per CTA, id 0 is __syncthreads): pingpong turn of consumer g is kTurnBarrier + g; epilogue
+// of consumer g kEpilogueBarrier + g.
 constexpr int kTurnBarrier = 1;
 constexpr int kEpilogueBarrier = 5;
+constexpr int kMaxConsumerGroups = kEpilogueBarrier - kTurnBarrier;  // the two ranges stay apart
+static_assert(kEpilogueBarrier + kMaxConsumerGroups <= 16);
 
 // Where one CTA's query tile lies and which key tiles it must visit; computed identically by every warpgroup.
 struct RowBlock {
@@ -307,7 +311,11 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   typename Traits::TiledMmaO mma_o;
   auto thr_mma_s = mma_s.get_thread_slice(thread);
   auto thr_mma_o = mma_o.get_thread_slice(thread);
-  Tensor frag_q = thr_mma_s.partition_fragment_A(sQ);   // smem descriptors
+  // Q's smem descriptors are the same for the whole warpgroup. With three consumers (160 registers each), slicing
+  // them with a warp-uniform thread index (a shuffle from lane 0) keeps them in uniform registers instead of two
+  // registers per k slice in every thread (the 192-row tile's last spill); two consumers keep the plain slice.
+  const int q_thread = kGroups > 2 ? __shfl_sync(0xffffffffu, group * 128, 0) : thread;
+  Tensor frag_q = mma_s.get_thread_slice(q_thread).partition_fragment_A(sQ);  // smem descriptors
   Tensor frag_k = thr_mma_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor frag_vt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
 
@@ -332,7 +340,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
       }
     }
   };
-  static_assert(kGroups <= 2, "pingpong hands the turn between two consumers");
+  // A ring: consumer g waits on kTurnBarrier + g (its 128 threads sync, consumer g - 1's 128 arrive) and passes to
+  // g + 1 mod kGroups. Every consumer runs the same GEMM rounds per tile, so the turns go round in order, and a
+  // barrier never gets a second arrival before its waiter's sync (g - 1 passes to g again only after a full lap).
+  static_assert(kGroups <= kMaxConsumerGroups, "named barrier ids of the turns and epilogues would collide");
 
   // (dense form) The row block's summary row, rebuilt at each use (row_block_mask_blocks says why), and whether
   // tile n_block reads mask elements (not where its mask blocks are all visible). Both are evaluated before a tile's

@@ -87,11 +87,11 @@ std::string resident_ctas(int64_t* ctas) {
   return {};
 }
 
-// One kernel form (forward_variant.h); forward_dispatch.h picks it per call.
-template <int kHeadDim, class Element, ForwardVariant kVariant>
-std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
+// One kernel form with one tile, on the per-tile or the persistent grid.
+template <class Traits, ForwardVariant kVariant>
+std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_ctas, cudaStream_t stream) {
   using namespace cute;
-  using Traits = ForwardTraits<kHeadDim, Element>;
+  constexpr int kHeadDim = Traits::kHeadDim;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
                            make_tma_copy(SM90_TMA_LOAD{},
@@ -108,9 +108,6 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
-  bool persistent = false;
-  int64_t max_ctas = 0;
-  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
       !err.empty()) {
@@ -128,6 +125,21 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 forward kernel launch");
+}
+
+// One kernel form (forward_variant.h); forward_dispatch.h picks it per call. Long key sequences on the per-tile
+// grid take the common form's long-rows tile where the head dim has one (kernel_traits.h forward_tile).
+template <int kHeadDim, class Element, ForwardVariant kVariant>
+std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
+  bool persistent = false;
+  int64_t max_ctas = 0;
+  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
+  if constexpr (kVariant == ForwardVariant::kCommon && has_long_rows_tile(kHeadDim)) {
+    if (!persistent && p.seqlen_k > kPersistentMaxSeqlenK) {
+      return launch_tiles<ForwardTraits<kHeadDim, Element, true>, kVariant>(p, persistent, max_ctas, stream);
+    }
+  }
+  return launch_tiles<ForwardTraits<kHeadDim, Element>, kVariant>(p, persistent, max_ctas, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -25,11 +25,15 @@ struct ForwardTile {
 
 // smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200,
 // plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer).
-// Register budget per consumer thread (240 after setmaxnreg): O is head_dim / 2 floats, S and the next S are
-// block_n / 2 floats each, P block_n / 4 registers.
-constexpr ForwardTile forward_tile(int head_dim) {
+// Register budget per consumer thread after setmaxnreg (240 with two consumers, 160 with three): O is
+// head_dim / 2 floats, S and the next S are block_n / 2 floats each, P block_n / 4 registers.
+// `long_rows`: the tile of the common form for long key sequences (one CTA per tile, forward_launch.h). At d=64
+// three consumers (192 rows) measured faster there (JAX, H200: 4k 417 vs 398, 8k 458 vs 424, 16k 492 vs 437
+// TFLOP/s) but slower on short sequences and in the persistent grid, which keep 128 rows (benchmarks/NOTES.md).
+constexpr ForwardTile forward_tile(int head_dim, bool long_rows = false) {
   switch (head_dim) {
-    case 64: return {128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
+    case 64: return long_rows ? ForwardTile{192, 128, 3}    //  24 + 96 (+ 24 O) = 144 KiB
+                              : ForwardTile{128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
     case 128: return {128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
     default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
@@ -51,20 +55,27 @@ constexpr auto k_major_smem_atom() {
   }
 }
 
-template <int kHeadDim_, class Element_>
+// A head dim whose common form has a separate tile for long key sequences.
+constexpr bool has_long_rows_tile(int head_dim) {
+  return forward_tile(head_dim, true).block_m != forward_tile(head_dim, false).block_m;
+}
+
+template <int kHeadDim_, class Element_, bool kLongRows = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr ForwardTile kTile = forward_tile(kHeadDim, kLongRows);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
   static constexpr int kConsumerGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers.
-  static constexpr int kProducerRegisters = 24;
+  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers
+  // (multiples of 8; 128 * producer + consumer threads * consumer <= 65536).
+  static constexpr int kProducerRegisters = kConsumerGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
+  static_assert(kConsumerGroups == 2 || kConsumerGroups == 3, "register split for 2 or 3 consumers");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
 

@@ -558,7 +558,13 @@ std::vector<Case> case_grid(bool small) {
   add({.name = "broadcast bias + blind row blocks + seqlens", .batch = 2, .seqlen_q = 400, .seqlen_k = 333,
        .heads_q = 4, .heads_kv = 2, .seqlens = true, .bias = 2, .dense_mask = true, .mask_blocks = true,
        .blind_rows = 256});
+  // seqlen_k > 2048: the Hopper forward's per-tile grid, at d=64 with its 192-row tile (kernel_traits.h).
+  add({.name = "d=64 long keys (192-row tile) GQA causal", .batch = 1, .seqlen_q = 450, .seqlen_k = 2200,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 64, .causal = true});
   if (small) return cases;
+  add({.name = "d=64 long keys seqlens + window fp16", .batch = 2, .seqlen_q = 700, .seqlen_k = 2500, .heads_q = 3,
+       .heads_kv = 1, .head_dim = 64, .type = ElementType::kFloat16, .window_left = 900, .window_right = 40,
+       .seqlens = true});
   add({.name = "causal + mask + bias + softcap d=128 blind", .batch = 3, .seqlen_q = 640, .seqlen_k = 700,
        .heads_q = 4, .heads_kv = 1, .head_dim = 128, .causal = true, .softcap = 8.0f, .input_scale = 2.0f,
        .bias = 2, .dense_mask = true, .mask_blocks = true, .blind_rows = 384});
