@@ -11,7 +11,9 @@
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
-// and adds it to dq_accum (dq_accum.h). Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
+// and stages it in shared memory; producer warp 2 adds the staged tile to dq_accum row by row with bulk
+// reductions (dq_accum.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
+// 5 GEMMs instead of 7.
 #pragma once
 
 #include <cmath>
@@ -165,6 +167,23 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   }
 }
 
+// Producer warp 2 (fused dQ): each item's staged dQ tile into dq_accum, then the tile back to the consumers.
+template <class Traits>
+__device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
+                               typename Traits::SharedStorage& smem) {
+  const int lane = threadIdx.x % 32;
+  for (int item = 0; item < kb.items; ++item) {
+    cutlass::arch::ClusterBarrier::wait(&smem.dq_full, item & 1);
+    const int64_t m0 = int64_t(kb.m_block(item)) * Traits::kBlockM;
+    const int rows = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - m0));
+    reduce_dq_rows<Traits::kDqRowFloats>(p, smem.dq, kb.batch, kb.head(item), m0, rows, lane);
+    bulk_wait_read();
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
+  }
+  bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
+}
+
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
 // item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
@@ -261,7 +280,11 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
       pipeline_qdo.consumer_release(read);
       warpgroup_wait<0>();
-      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols);
+      // The staged tile is free again once the writer's reductions of the previous item have read it.
+      if (item > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (item - 1) & 1);
+      stage_dq_tile<Traits::kDqRowFloats>(smem.dq, acc_dq, dq_coords, group * kDqCols);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the bulk copies (async proxy) read
+      cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
     } else {
       // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
       warpgroup_wait<0>();
@@ -311,6 +334,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
+    if constexpr (kFusedDq) {
+      cutlass::arch::ClusterBarrier::init(&smem.dq_full, Traits::kConsumerThreads);
+      cutlass::arch::ClusterBarrier::init(&smem.dq_empty, 1);
+    }
   }
   using Pipeline = typename Traits::Pipeline;
   typename Pipeline::Params params;
@@ -335,6 +362,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       produce_dkdv_tiles<Traits>(args, kb, smem, pipeline_qdo);
     } else if (warp == 1) {
       produce_row_stats<Traits>(p, kb, smem, pipeline_stats);
+    } else if (kFusedDq && warp == 2) {
+      write_dq_tiles<Traits>(p, kb, smem);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();

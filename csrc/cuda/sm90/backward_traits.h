@@ -107,6 +107,9 @@ struct DkdvTraits {
   using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   using SmemLayoutDsT = decltype(transposed_stages(SmemLayoutDs{}));  // (key, query, buffer)
+  // The dQ tile staged for the bulk reductions (dq_accum.h): rows of head_dim floats, padded by 8 (32 bytes) so the
+  // consumers' fragment stores meet no bank conflicts and every row starts 16-byte aligned.
+  static constexpr int kDqRowFloats = kHeadDim + 8;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;   // Q and dO tiles, one barrier per stage for both
   using StatsPipeline = cutlass::PipelineAsync<kStages>;  // lse / softmax_d of the same tiles, filled by a warp
@@ -120,11 +123,14 @@ struct DkdvTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
     cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;  // fused dQ only
+    alignas(128) float dq[kBlockM * kDqRowFloats];                  // fused dQ only
     float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
     float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+    alignas(8) uint64_t dq_full;   // fused dQ: every consumer thread staged its part of an item's dQ tile
+    alignas(8) uint64_t dq_empty;  // fused dQ: the writer warp's bulk reductions have read the staged tile
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
