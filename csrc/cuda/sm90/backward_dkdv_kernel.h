@@ -11,7 +11,7 @@
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
-// and adds it to dq_accum (dq_accum.h). Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
+// and adds it to dq_accum (common/dq_accum.h). Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 #pragma once
 
 #include <cmath>
@@ -22,11 +22,11 @@
 #include "../../common/attention_params.h"
 #include "../../common/score_pipeline.h"
 #include "../common/block_range.h"
+#include "../common/dq_accum.h"
 #include "../sm80/fragments.h"
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
-#include "dq_accum.h"
 #include "fragments.h"
 #include "transposed_scores.h"
 
@@ -267,7 +267,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
       pipeline_qdo.consumer_release(read);
       warpgroup_wait<0>();
-      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols);
+      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols, p.seqlen_q - m0);
     } else {
       // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
       warpgroup_wait<0>();
