@@ -37,20 +37,22 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
 // identity tensor partitioned like `acc`. Both mma.sync (sm80) and WGMMA (sm90) accumulators hold two adjacent
 // columns of one row in consecutive registers, so each pair is one reduction; an even head_dim makes every pair
 // 8-byte aligned (row starts and col0 + col are even). An odd head_dim leaves a last column without its pair.
-template <class Acc, class Coords>
+// kEvenHeadDim: the caller guarantees an even head_dim (sm90: a multiple of 8), so those checks compile away
+// (they cost the sm90 fused kernel 16 more bytes of spills per thread).
+template <bool kEvenHeadDim, class Acc, class Coords>
 __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, const Acc& acc, const Coords& coords,
                                             int64_t batch, int64_t head, int64_t m0, int col0,
                                             int64_t rows_in_bounds) {
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   float* tile = p.dq_accum + q_shape.offset(batch, m0, head) + col0;
   const int cols_in_bounds = static_cast<int>(p.head_dim) - col0;
-  const bool pairs_aligned = p.head_dim % 2 == 0;
+  const bool pairs_aligned = kEvenHeadDim || p.head_dim % 2 == 0;
   CUTE_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
     const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
     if (row >= rows_in_bounds || col >= cols_in_bounds) continue;
     float* address = tile + row * q_shape.row_stride() + col;
-    if (col + 1 < cols_in_bounds) {
+    if (kEvenHeadDim || col + 1 < cols_in_bounds) {
       reduce_add_pair(address, acc(i), acc(i + 1), pairs_aligned);
     } else {
       atomicAdd(address, acc(i));

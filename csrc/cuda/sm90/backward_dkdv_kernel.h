@@ -267,7 +267,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
       pipeline_qdo.consumer_release(read);
       warpgroup_wait<0>();
-      add_dq_tile(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols, p.seqlen_q - m0);
+      add_dq_tile<true>(p, acc_dq, dq_coords, kb.batch, kb.head(item), m0, group * kDqCols, p.seqlen_q - m0);
     } else {
       // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
       warpgroup_wait<0>();
