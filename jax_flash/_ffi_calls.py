@@ -67,10 +67,11 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
 
 
 def fused_dq_requested() -> bool:
-    """Whether ``JAX_FLASH_SM90_FUSED_DQ=1`` (read when a backward is traced) asks the Hopper backward to sum dQ
-    inside its dK/dV pass (atomic float32 adds into a workspace shaped like ``q``) instead of the default separate
-    dQ pass. Experimental: on the H200 it measured slower (benchmarks/NOTES.md). Deterministic calls and float32
-    inputs never use it; other kernel families ignore the workspace.
+    """Whether ``JAX_FLASH_SM90_FUSED_DQ=1`` (read when a backward is traced) asks the backward to sum dQ inside
+    its dK/dV pass (atomic float32 adds into a workspace shaped like ``q``) instead of the default separate dQ pass:
+    the Hopper backward, and the sm80 backward's common variant (no softcap, ALiBi, bias, mask or dropout).
+    Experimental: the Hopper form measured slower on the H200 (benchmarks/NOTES.md). Deterministic calls and
+    float32 inputs never use it; the general variant and the float32 kernels ignore the workspace.
     """
     value = os.environ.get("JAX_FLASH_SM90_FUSED_DQ", "")
     if value not in ("", "0", "1"):
@@ -85,7 +86,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
     Two extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
-    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and ``dq_accum``, in which the Hopper
+    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and ``dq_accum``, in which the
     backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``); an empty placeholder
     otherwise.
     """

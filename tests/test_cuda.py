@@ -239,12 +239,15 @@ def test_backward_sm90_long_sequences(feature, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
-@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window"))
-@pytest.mark.parametrize("head_dim", (64, 128, 120))
-def test_backward_sm90_fused_dq(feature, head_dim, monkeypatch):
-    """The opt-in fused dQ of the sm90 backward (JAX_FLASH_SM90_FUSED_DQ=1: dQ summed in its dK/dV pass by atomics
-    into a workspace): several key tiles add into each dQ row, ragged edges, GQA, head_dim 120 on the d=128 tile."""
-    use_backward_kernel(monkeypatch, "sm90", head_dim, feature)
+@pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
+@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap"))
+@pytest.mark.parametrize("head_dim", (64, 128, 120, 256, 36, 33))
+def test_backward_fused_dq(feature, head_dim, kernel, monkeypatch):
+    """The opt-in fused dQ (JAX_FLASH_SM90_FUSED_DQ=1: dQ summed in the dK/dV pass by atomics into a workspace) of
+    either backward family: several key tiles add into each dQ row, ragged edges, GQA, head dims below the tile
+    width (120 on d=128; sm80 only: 36 and an odd 33, element-wise loads and pairs that are not 8-byte aligned),
+    d=256 (sm80). softcap (sm80 only) takes the general variant, which keeps its dQ pass despite the workspace."""
+    use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "1")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=head_dim + len(feature))

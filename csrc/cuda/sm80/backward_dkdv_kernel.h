@@ -5,7 +5,12 @@
 //   S = Q K^T, dP = dO V^T          (scores recomputed; warp grid 2x4)
 //   P = exp(S - lse), dS = P (dP - D)   (general variant: dropout as in row_stats.h)
 //   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
-// dQ comes from its own pass (backward_dq_kernel.h).
+// dQ comes from its own pass (backward_dq_kernel.h), or, in the fused form (kFusedDq: a call with a dq_accum
+// workspace, not deterministic, common variant), from this one:
+//   dQ_item = dS K                  (dS from the same smem tile, read row-wise; K resident; warp grid 2x4)
+//   dq_accum += dQ_item             (float32 reductions in L2, common/dq_accum.h)
+// which replaces the dQ pass's recomputed S and dP (and its own dS K): 5 GEMMs per item instead of 7, for
+// kBlockM x head_dim float reductions per item.
 #pragma once
 
 #include <cmath>
@@ -14,6 +19,7 @@
 
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
+#include "../common/dq_accum.h"
 #include "fragments.h"
 #include "gmem_tile.h"
 #include "kernel_traits.h"
@@ -23,9 +29,10 @@
 
 namespace jax_flash::cuda::sm80 {
 
-template <class Traits, bool kGeneral>
+template <class Traits, bool kGeneral, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
+  static_assert(!(kGeneral && kFusedDq), "fused dQ is built for the common variant (dbias needs the dQ pass)");
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -131,6 +138,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor smem_v_part = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
   Tensor smem_pt_part = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
   Tensor smem_dst_part = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
+  // Fused dQ only (unused tensors cost no registers in the other forms): dS as the A operand, K^T as the B.
+  auto copy_sdp_bt = make_tiled_copy_B(Copy_Atom<LdsmTransposedCopy, T>{}, mma_sdp);
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
+  Tensor frag_ds = thr_sdp.partition_fragment_A(sdS);
+  Tensor frag_kt = thr_sdp.partition_fragment_B(sKt);
+  Tensor smem_ds_part = copy_sdp_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor smem_kt_part = copy_sdp_bt.get_thread_slice(tid).partition_S(sKt);
+  Tensor dq_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -175,7 +190,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                    copy_dkv_b.get_thread_slice(tid).partition_S(sdOt(stage)), copy_dkv_a, copy_dkv_b);
     gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
                    copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
-
+    if constexpr (kFusedDq) {
+      // sdS and sK are read-only until the next item's __syncthreads, so dS K needs no barrier of its own. The
+      // S/dP warp grid (2x4) reads less of sdS and sK per warp than 4x2 would, and its accumulator is dead here.
+      Tensor acc_dq = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
+      add_dq_tile<false>(p, acc_dq, dq_coords, cta.batch, head, m0, 0, min(int64_t(kBlockM), valid_q - m0));
+    }
   };
 
   // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);

@@ -3,14 +3,19 @@
 //   2. dK/dV pass (one CTA per key tile and KV head)
 //   3. dQ pass (one CTA per query tile and head)
 //   4. only for a deterministic dbias of a broadcast bias: the dbias kernel (dbias.h)
-// No atomics for dQ/dK/dV, so they are bit-identical run to run and no float32 dQ workspace is needed; dbias
-// uses atomics only when the bias is broadcast and deterministic is False.
+// No atomics for dQ/dK/dV, so they are bit-identical run to run; dbias uses atomics only when the bias is
+// broadcast and deterministic is False.
+// Fused dQ instead of step 3 (experimental) where the call gives a dq_accum workspace (JAX_FLASH_SM90_FUSED_DQ=1
+// in jax_flash/_ffi_calls.py; never for deterministic calls) and runs the common variant: the workspace is
+// zeroed, the dK/dV pass also adds each item's dS K into it, and one elementwise pass converts it
+// (common/dq_accum.h). The general variant keeps the dQ pass, which also forms dbias.
 #pragma once
 
 #include <string>
 
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
+#include "../common/dq_accum.h"
 #include "backward_dkdv_kernel.h"
 #include "dbias.h"
 #include "backward_dq_kernel.h"
@@ -25,10 +30,18 @@ inline bool backward_rows_are_16b_aligned(const AttentionBackwardParams& p) {
   return rows_are_16b_aligned(p) && aligned16(p.d_o) && aligned16(p.dq) && aligned16(p.dk) && aligned16(p.dv);
 }
 
+template <class T>
+__global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const AttentionBackwardParams p) {
+  dq_from_accum<T>(p);
+}
+
+// fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
 template <int kHeadDim, class Element>
-std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, cudaStream_t stream) {
+std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, cudaStream_t stream) {
   using Traits = BackwardTraits<kHeadDim, Element>;
-  auto kernel = needs_general_variant(p) ? dkdv_kernel<Traits, true> : dkdv_kernel<Traits, false>;
+  auto kernel = fused_dq                   ? dkdv_kernel<Traits, false, true>
+                : needs_general_variant(p) ? dkdv_kernel<Traits, true, false>
+                                           : dkdv_kernel<Traits, false, false>;
   if (std::string err = allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
@@ -87,7 +100,12 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, stream); !err.empty()) return err;
+  if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p)) {
+    return run_fused_dq(
+        p, stream, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },
+        dq_from_accum_kernel<Element>, "sm80");
+  }
+  if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, stream); !err.empty()) return err;
   // dbias (zero-filled by the dispatcher): stores, atomics or its own deterministic kernel (dbias.h).
   const DbiasPlan dbias = plan_dbias(p);
   if (std::string err = launch_dq<kHeadDim, Element>(p, vectorized, dbias.dq_mode, stream); !err.empty()) return err;

@@ -34,8 +34,9 @@ struct BackwardTile {
   int stages;    // Q/dO shared-memory buffers
 };
 
-// dK/dV pass. Warp grids (fixed, see BackwardTraits): S/dP 2x4, dK/dV 4x2, so block_m and block_n are multiples
-// of 64. smem = (stages * 2 * block_m + 2 * block_n) * head_dim * 2 + 2 * block_m * block_n * 2.
+// dK/dV pass. Warp grids (fixed, see BackwardTraits): S/dP (and the fused dQ) 2x4, dK/dV 4x2, so block_m and
+// block_n are multiples of 64; the fused dQ needs no shared memory of its own.
+// smem = (stages * 2 * block_m + 2 * block_n) * head_dim * 2 + 2 * block_m * block_n * 2.
 constexpr BackwardTile backward_tile(int head_dim) {
   switch (head_dim) {
     case 32: return {64, 128, 8, 2};    //  64 KiB
@@ -136,6 +137,7 @@ struct BackwardTraits {
   using SmemLayoutQ = decltype(swizzled_smem_layout<kBlockM, kHeadDim>());  // also dO
   using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));
   using SmemLayoutKV = decltype(swizzled_smem_layout<kBlockN, kHeadDim>());
+  using SmemLayoutKt = decltype(transposed_view(SmemLayoutKV{}));  // K as the B operand of the fused dQ = dS K
   using SmemLayoutP = decltype(swizzled_smem_layout<kBlockM, kBlockN>());  // also dS
   using SmemLayoutPt = decltype(transposed_view(SmemLayoutP{}));
 

@@ -12,7 +12,7 @@
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
 // and stages it in shared memory; producer warp 2 adds the staged tile to dq_accum row by row with bulk
-// reductions (dq_accum.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
+// reductions (dq_staging.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
 // 5 GEMMs instead of 7.
 #pragma once
 
@@ -28,7 +28,7 @@
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
-#include "dq_accum.h"
+#include "dq_staging.h"
 #include "fragments.h"
 #include "transposed_scores.h"
 

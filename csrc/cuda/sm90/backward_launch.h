@@ -4,24 +4,23 @@
 //   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
 //   3. with a dq_accum workspace (opt-in, JAX_FLASH_SM90_FUSED_DQ=1 in jax_flash/_ffi_calls.py; never for
 //      deterministic calls): dQ was summed into it by step 2 (zeroed first); one elementwise pass scales and
-//      converts it (dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per query tile and
+//      converts it (common/dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per query tile and
 //      head, recomputes S and dP: no atomics anywhere, bit-reproducible. The separate pass is the default
 //      because it measured faster on the H200 (d=128 4k: 425 vs 362 TFLOP/s, benchmarks/NOTES.md).
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
 
-#include <algorithm>
 #include <string>
 
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
+#include "../common/dq_accum.h"
 #include "../sm80/backward_row_kernels.h"
 #include "../sm80/launch_common.h"
 #include "backward_dkdv_kernel.h"
 #include "backward_dq_kernel.h"
 #include "backward_traits.h"
-#include "dq_accum.h"
 #include "forward_launch.h"  // bshd_tensor
 
 namespace jax_flash::cuda::sm90 {
@@ -29,6 +28,11 @@ namespace jax_flash::cuda::sm90 {
 template <class T>
 __global__ void __launch_bounds__(sm80::kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p) {
   sm80::softmax_d_rows<T>(p);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const AttentionBackwardParams p) {
+  dq_from_accum<T>(p);
 }
 
 // The four TMA descriptors of a backward kernel: Q and dO tiles of TmaQ's box, K and V tiles of TmaKV's box.
@@ -100,17 +104,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
     return launch_dq<kHeadDim, Element>(p, stream);
   }
-  const int64_t dq_count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
-  if (cudaMemsetAsync(p.dq_accum, 0, dq_count * sizeof(float), stream) != cudaSuccess) {
-    return sm80::last_launch_error("sm90 backward: zeroing dq_accum");
-  }
-  if (std::string err = launch_dkdv<kHeadDim, Element, true>(p, stream); !err.empty()) return err;
-  constexpr int kConvertThreads = 256;
-  const int64_t convert_blocks = std::min<int64_t>(ceil_div(dq_count / 4, kConvertThreads), 65536);
-  if (convert_blocks > 0) {
-    dq_from_accum_kernel<Element><<<static_cast<unsigned>(convert_blocks), kConvertThreads, 0, stream>>>(p, dq_count);
-  }
-  return sm80::last_launch_error("sm90 dQ conversion kernel launch");
+  return run_fused_dq(
+      p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
+      "sm90");
 }
 
 }  // namespace jax_flash::cuda::sm90

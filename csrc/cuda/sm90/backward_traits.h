@@ -107,7 +107,7 @@ struct DkdvTraits {
   using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   using SmemLayoutDsT = decltype(transposed_stages(SmemLayoutDs{}));  // (key, query, buffer)
-  // The dQ tile staged for the bulk reductions (dq_accum.h): rows of head_dim floats, padded by 8 (32 bytes) so the
+  // The dQ tile staged for the bulk reductions (dq_staging.h): rows of head_dim floats, padded by 8 (32 bytes) so the
   // consumers' fragment stores meet no bank conflicts and every row starts 16-byte aligned.
   static constexpr int kDqRowFloats = kHeadDim + 8;
 

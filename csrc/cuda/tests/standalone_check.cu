@@ -765,7 +765,8 @@ void bench() {
       return ms / reps;
     };
     const float fwd = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
-    // The backward with the dq_accum workspace (the sm90 family fuses dQ into its dK/dV pass; others ignore it),
+    // The backward with the dq_accum workspace (both families fuse dQ into their dK/dV pass; sm80's general
+    // variant, the padding-mask row, ignores it),
     // without it (the default: a dQ pass of its own), and deterministic.
     const float bwd_fused = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
     float* dq_accum = p.dq_accum;

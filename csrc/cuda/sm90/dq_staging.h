@@ -1,7 +1,5 @@
-// dQ summed in a float32 workspace (AttentionBackwardParams::dq_accum, laid out like q): the fused dK/dV pass
-// adds each query tile's dS K to it with bulk reductions, then one elementwise pass scales and converts it into
-// dq. Sums of float adds in whatever order the CTAs arrive: not bit-reproducible, so
-// deterministic calls keep the separate dQ pass (backward_dq_kernel.h).
+// The sm90 fused dK/dV pass's way into the float32 dQ workspace (common/dq_accum.h has the workspace, its
+// conversion into dq and why deterministic calls do not use it): a staged shared tile and bulk reductions.
 #pragma once
 
 #include <cstdint>
@@ -51,21 +49,6 @@ __device__ __forceinline__ void reduce_dq_rows(const AttentionBackwardParams& p,
   const int bytes = static_cast<int>(p.head_dim) * 4;
   for (int r = lane; r < rows; r += 32) bulk_reduce_add(first + r * q_shape.row_stride(), tile + r * kRowFloats, bytes);
   bulk_commit();
-}
-
-// dq = dq_accum * softmax_scale in dq's element type; the element count is a multiple of 4 (head_dim % 8 == 0).
-template <class T>
-__global__ void dq_from_accum_kernel(const AttentionBackwardParams p, int64_t count) {
-  const float4* accum = reinterpret_cast<const float4*>(p.dq_accum);
-  T* dq = static_cast<T*>(p.dq);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count / 4; i += stride) {
-    const float4 sum = accum[i];
-    dq[4 * i + 0] = T(sum.x * p.softmax_scale);
-    dq[4 * i + 1] = T(sum.y * p.softmax_scale);
-    dq[4 * i + 2] = T(sum.z * p.softmax_scale);
-    dq[4 * i + 3] = T(sum.w * p.softmax_scale);
-  }
 }
 
 }  // namespace jax_flash::cuda::sm90

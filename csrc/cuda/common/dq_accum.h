@@ -1,0 +1,104 @@
+// dQ summed in a float32 workspace (AttentionBackwardParams::dq_accum, laid out like q), shared by the sm80 and
+// sm90 backward: a fused dK/dV pass adds each (query tile, key tile) item's dS K to it with reductions in L2,
+// then one elementwise pass scales and converts it into dq. Sums of float adds in whatever order the CTAs
+// arrive: not bit-reproducible, so deterministic calls keep each family's separate dQ pass.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>
+
+#include "../../common/attention_params.h"
+#include "../sm80/launch_common.h"
+#include "../sm80/tensor_offsets.h"
+#include "block_range.h"
+
+namespace jax_flash::cuda {
+
+// *address += a, *(address + 1) += b, without reading the result back. One 8-byte vector reduction where the
+// target has it (sm_90) and the pair is 8-byte aligned; two scalar reductions otherwise.
+__device__ __forceinline__ void reduce_add_pair(float* address, float a, float b, bool pair_aligned) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pair_aligned) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
+    return;
+  }
+#endif
+  atomicAdd(address, a);
+  atomicAdd(address + 1, b);
+}
+
+// Adds a (query rows x head-dim columns) dQ accumulator to dq_accum: rows m0 + row of query head `head`, columns
+// col0 + col; rows at or past `rows_in_bounds` and columns at or past head_dim are skipped. `coords` is the
+// identity tensor partitioned like `acc`. Both mma.sync (sm80) and WGMMA (sm90) accumulators hold two adjacent
+// columns of one row in consecutive registers, so each pair is one reduction; an even head_dim makes every pair
+// 8-byte aligned (row starts and col0 + col are even). An odd head_dim leaves a last column without its pair.
+// kEvenHeadDim: the caller guarantees an even head_dim (sm90: a multiple of 8), so those checks compile away
+// (they cost the sm90 fused kernel 16 more bytes of spills per thread).
+template <bool kEvenHeadDim, class Acc, class Coords>
+__device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, const Acc& acc, const Coords& coords,
+                                            int64_t batch, int64_t head, int64_t m0, int col0,
+                                            int64_t rows_in_bounds) {
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  float* tile = p.dq_accum + q_shape.offset(batch, m0, head) + col0;
+  const int cols_in_bounds = static_cast<int>(p.head_dim) - col0;
+  const bool pairs_aligned = kEvenHeadDim || p.head_dim % 2 == 0;
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc); i += 2) {
+    const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
+    if (row >= rows_in_bounds || col >= cols_in_bounds) continue;
+    float* address = tile + row * q_shape.row_stride() + col;
+    if (kEvenHeadDim || col + 1 < cols_in_bounds) {
+      reduce_add_pair(address, acc(i), acc(i + 1), pairs_aligned);
+    } else {
+      atomicAdd(address, acc(i));
+    }
+  }
+}
+
+constexpr int kDqConvertThreads = 256;
+
+// dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's element type, grid-stride
+// over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device function so that each
+// family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel instantiated in
+// translation units built for different architectures would be registered twice).
+template <class T>
+__device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) {
+  const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0;
+  const int64_t vector_count = aligned ? count / 4 : 0;
+  const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum);
+  T* dq = static_cast<T*>(p.dq);
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < vector_count; i += stride) {
+    const float4 sum = accum4[i];
+    dq[4 * i + 0] = T(sum.x * p.softmax_scale);
+    dq[4 * i + 1] = T(sum.y * p.softmax_scale);
+    dq[4 * i + 2] = T(sum.z * p.softmax_scale);
+    dq[4 * i + 3] = T(sum.w * p.softmax_scale);
+  }
+  for (int64_t i = 4 * vector_count + first; i < count; i += stride) dq[i] = T(p.dq_accum[i] * p.softmax_scale);
+}
+
+// The dQ part of a fused backward, after softmax_d: zero the workspace, run the family's fused dK/dV pass
+// (launch_fused_dkdv(), which adds into it), then its conversion kernel (a wrapper of dq_from_accum).
+template <class LaunchFusedDkdv>
+std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, LaunchFusedDkdv launch_fused_dkdv,
+                         void (*convert_kernel)(const AttentionBackwardParams), const char* family) {
+  const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  if (cudaMemsetAsync(p.dq_accum, 0, count * sizeof(float), stream) != cudaSuccess) {
+    return sm80::last_launch_error((std::string(family) + " backward: zeroing dq_accum").c_str());
+  }
+  if (std::string err = launch_fused_dkdv(); !err.empty()) return err;
+  const int64_t blocks = std::min<int64_t>(ceil_div(count, 4 * kDqConvertThreads), 65536);
+  if (blocks == 0) return {};
+  convert_kernel<<<static_cast<unsigned>(blocks), kDqConvertThreads, 0, stream>>>(p);
+  return sm80::last_launch_error((std::string(family) + " dQ conversion kernel launch").c_str());
+}
+
+}  // namespace jax_flash::cuda
