@@ -95,17 +95,18 @@ def test_gradients_are_deterministic():
 
 
 def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
-    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward gets a float32 dq_accum result (like q),
-    which the CPU handler accepts and ignores: same gradients as without it. Deterministic calls, the general
-    variant (softcap here) and JAX_FLASH_FUSED_DQ=0 get none; a bad value is a clear error."""
-    case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=32, dtype=jnp.bfloat16)
+    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with head_dim > 64 gets a float32
+    dq_accum result (like q), which the CPU handler accepts and ignores: same gradients as without it.
+    Deterministic calls, the general variant (softcap here), head_dim <= 64 and JAX_FLASH_FUSED_DQ=0 get none;
+    a bad value is a clear error."""
+    case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
-    workspace = "tensor<1x50x4x32xf32>"
+    workspace = "tensor<1x50x4x72xf32>"
 
-    def lowered(**kwargs):
+    def lowered(q=q, k=k, v=v, **kwargs):
         """The backward custom call's line of the lowered training step."""
-        text = jax.jit(lambda *a: grads(*a, **kwargs)).lower(q, k, v, d_o).as_text()
+        text = jax.jit(lambda *a: grads(*a, **kwargs)).lower(q, k, v, jnp.ones_like(q)).as_text()
         (line,) = [line for line in text.splitlines() if f"@{_registration.BACKWARD_TARGET}" in line]
         return line
 
@@ -113,6 +114,7 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     assert workspace in lowered()
     assert workspace not in lowered(deterministic=True)
     assert workspace not in lowered(softcap=5.0)
+    assert "x64xf32>" not in lowered(q[..., :64], k[..., :64], v[..., :64])
     with_workspace = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1")
     assert workspace in lowered()

@@ -248,7 +248,7 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
     loads and pairs that are not 8-byte aligned), d=256 (sm80). softcap takes the general variant, which always
-    has its dQ pass."""
+    has its dQ pass; head_dim <= 64 gets no workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
@@ -641,7 +641,8 @@ def test_sm90_dense_matches_sm80_closely(monkeypatch):
     case = Case(batch=2, seqlen_q=1100, seqlen_k=1500, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
                 seed=17)
     q, k, v = _on(GPUS[0], *case.inputs())
-    kwargs = _gpu_kwargs(dict(mask=_padding_mask([1500, 600], case.seqlen_k)))
+    mask = _padding_mask([1500, 600], case.seqlen_k)
+    kwargs = _gpu_kwargs(dict(mask=mask))
     results = {}
     for kernel, dense in (("sm80", "0"), ("auto", "1")):
         monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
@@ -650,7 +651,8 @@ def test_sm90_dense_matches_sm80_closely(monkeypatch):
         results[kernel] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
     np.testing.assert_allclose(results["auto"][0], results["sm80"][0], atol=2e-2)
     np.testing.assert_allclose(results["auto"][1], results["sm80"][1], atol=1e-3)
-    check_forward_on_gpu(case, mask=kwargs["mask"])  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result
+    check_forward_on_gpu(case, mask=mask)  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result (host mask: the
+    # check also runs the CPU handler)
 
 
 def test_sm90_dense_is_the_default(monkeypatch):

@@ -3,7 +3,7 @@
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
 //   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
 //   3. with a dq_accum workspace (the default, jax_flash/_ffi_calls.py; never for deterministic calls,
-//      JAX_FLASH_FUSED_DQ=0 turns it off): dQ was summed into it by step 2 (zeroed first); one elementwise pass
+//      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=128): dQ was summed into it by step 2 (zeroed first); one elementwise pass
 //      scales and converts it (common/dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per
 //      query tile and head, recomputes S and dP: no atomics anywhere, bit-reproducible. Fused is the default since
 //      its dQ tile went through shared memory and bulk reductions (dq_staging.h): d=128 4k on the H200 449 vs 421
@@ -101,13 +101,15 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (p.dq_accum == nullptr || p.deterministic) {
-    if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
-    return launch_dq<kHeadDim, Element>(p, stream);
+  if constexpr (has_fused_dq(kHeadDim)) {
+    if (p.dq_accum != nullptr && !p.deterministic) {
+      return run_fused_dq(
+          p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
+          "sm90");
+    }
   }
-  return run_fused_dq(
-      p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
-      "sm90");
+  if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
+  return launch_dq<kHeadDim, Element>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90
