@@ -1,12 +1,14 @@
 // Host launcher of the Hopper backward for one (head dim, element type); instantiated once per generated .cu
 // (sm_90a only):
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
-//   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
+//   2. dK/dV pass (backward_dkdv_kernel.h; at d=256 with backward_dkdv_split_consumer.h), one CTA per key tile
+//      and KV head
 //   3. with a dq_accum workspace (opt-in, JAX_FLASH_SM90_FUSED_DQ=1 in jax_flash/_ffi_calls.py; never for
-//      deterministic calls): dQ was summed into it by step 2 (zeroed first); one elementwise pass scales and
-//      converts it (common/dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per query tile and
-//      head, recomputes S and dP: no atomics anywhere, bit-reproducible. The separate pass is the default
-//      because it measured faster on the H200 (d=128 4k: 425 vs 362 TFLOP/s, benchmarks/NOTES.md).
+//      deterministic calls, nor at d=256: has_fused_dq): dQ was summed into it by step 2 (zeroed first); one
+//      elementwise pass scales and converts it (common/dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h),
+//      one CTA per query tile and head, recomputes S and dP: no atomics anywhere, bit-reproducible. The separate
+//      pass is the default because it measured faster on the H200 (d=128 4k: 425 vs 362 TFLOP/s,
+//      benchmarks/NOTES.md).
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
@@ -54,7 +56,7 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 template <int kHeadDim, class Element, bool kFusedDq>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = DkdvTraits<kHeadDim, Element>;
+  using Traits = DkdvTraitsFor<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
@@ -100,13 +102,15 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (p.dq_accum == nullptr || p.deterministic) {
-    if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
-    return launch_dq<kHeadDim, Element>(p, stream);
+  if constexpr (has_fused_dq(kHeadDim)) {
+    if (p.dq_accum != nullptr && !p.deterministic) {
+      return run_fused_dq(
+          p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
+          "sm90");
+    }
   }
-  return run_fused_dq(
-      p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
-      "sm90");
+  if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;
+  return launch_dq<kHeadDim, Element>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90
