@@ -3,9 +3,10 @@
 // columns in one warpgroup would take 256 floats per thread, so both consumer warpgroups share the CTA's 64 keys:
 //      S^T = K Q^T, dP^T = V dO^T          warpgroup g: its half of the query columns (both operands from smem)
 //      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (registers; masks only on boundary tiles)
-//      P^T, dS^T -> shared memory           both halves meet at a named barrier
-//      dV[:, g-th half] += P^T dO[:, g-th half],  dK[:, g-th half] += dS^T Q[:, g-th half]   (SS WGMMA, all
-//                                           block_m queries as the K of the GEMM)
+//      P^T -> shared memory, barrier, dV[:, g-th half] += P^T dO[:, g-th half]
+//      dS^T -> shared memory, barrier, dK[:, g-th half] += dS^T Q[:, g-th half]
+//                                           (SS WGMMA, all block_m queries as the K of the GEMM)
+// P^T and dS^T meet at separate barriers so that the exps overlap the dP^T GEMM and dS^T overlaps the dV GEMM.
 // A Q/dO stage goes back to the producer only when both warpgroups have arrived (the pipeline counts all 256
 // consumer threads), i.e. after both have retired their dV/dK GEMMs of that item.
 #pragma once
@@ -23,9 +24,10 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barriers of the split form, both over all consumer threads (id 0 is __syncthreads).
-constexpr int kSplitTilesStoredBarrier = 1;  // both halves of an item's P^T and dS^T are in shared memory
-constexpr int kSplitEpilogueBarrier = 2;     // both halves of dK and dV are staged in K's and V's buffers
+// Named barriers of the split form, all over both consumer warpgroups (id 0 is __syncthreads).
+constexpr int kSplitProbsStoredBarrier = 1;       // both halves of an item's P^T are in shared memory
+constexpr int kSplitScoreGradsStoredBarrier = 2;  // both halves of an item's dS^T are in shared memory
+constexpr int kSplitEpilogueBarrier = 3;          // both halves of dK and dV are staged in K's and V's buffers
 
 // Consumer warpgroup `group` (0 or 1): its head-dim half of dK and dV for the CTA's keys over every item, then
 // the epilogue. Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
@@ -98,25 +100,29 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     auto scores = sm80::as_rows_cols(sm80_view(acc_s));
     auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
+    warpgroup_fence_operand(acc_s);  // its reads stay after the wait
     if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
       mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
-    warpgroup_wait<0>();
+    // P^T first, with a barrier of its own, so that dV's GEMM runs while dS^T is formed and stored. Generic-proxy
+    // stores, fenced before the WGMMAs (async proxy) of both warpgroups read them.
+    copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP_mine(_, _, buffer)));
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(kSplitProbsStoredBarrier, Traits::kConsumerThreads);
+    Tensor frag_p_item = frag_p(_, _, _, buffer);
+    issue_wgmma<false>(mma_dkv, frag_p_item, frag_dot(_, _, _, stage), acc_dv);
+
+    warpgroup_wait<1>();  // dP^T is ready (it was issued before dV's GEMM, which may still run)
+    warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
     pipeline_stats.consumer_release(read);
-
-    // Generic-proxy stores, fenced before the other warpgroup's and this one's WGMMAs (async proxy) read them.
-    copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP_mine(_, _, buffer)));
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS_mine(_, _, buffer)));
     cutlass::arch::fence_view_async_shared();
-    named_barrier_sync(kSplitTilesStoredBarrier, Traits::kConsumerThreads);
-
-    Tensor frag_p_item = frag_p(_, _, _, buffer);
+    named_barrier_sync(kSplitScoreGradsStoredBarrier, Traits::kConsumerThreads);
     Tensor frag_ds_item = frag_ds(_, _, _, buffer);
-    issue_wgmma<false>(mma_dkv, frag_p_item, frag_dot(_, _, _, stage), acc_dv);
     issue_wgmma<false>(mma_dkv, frag_ds_item, frag_qt(_, _, _, stage), acc_dk);
-    warpgroup_wait<0>();  // both read this stage's Q / dO: retired before it goes back
+    warpgroup_wait<0>();  // dV and dK read this stage's Q / dO: retired before it goes back
     pipeline_qdo.consumer_release(read);
     ++read;
   }

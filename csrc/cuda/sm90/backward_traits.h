@@ -44,8 +44,9 @@ constexpr BackwardTile dq_tile(int head_dim) {
   switch (head_dim) {
     case 64: return {128, 128, 2};   // 32 + 64 KiB; 64 + 64 + 32 floats
     case 128: return {128, 64, 2};   // 64 + 64 KiB; 32 + 32 + 64 floats
-    // 256: Q and dO alone are 128 KiB, so key tiles of 32 (two stages of K and V: 64 KiB); 16 + 16 + 128 floats.
-    default: return {128, 32, 2};
+    // 256: Q and dO alone are 128 KiB, so key tiles of 32 (three stages of K and V: 96 KiB, 225 KiB in all);
+    // 16 + 16 + 128 floats.
+    default: return {128, 32, 3};
   }
 }
 
