@@ -128,7 +128,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T. K and V are free: both warpgroups' last S^T and
-  // dP^T GEMMs (their only readers) retired before they met at the last item's barrier. Each warpgroup stages its
+  // dP^T GEMMs (their only readers) retired before they met at the last item's dS^T barrier. Each warpgroup stages its
   // columns of dV and dK there; after a barrier all consumer threads store whole 16-byte row chunks.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);

@@ -210,8 +210,8 @@ struct DkdvSplitTraits {
   using SmemLayoutQt = decltype(transposed_stages(SmemLayoutQ{}));
   // P^T and dS^T as (key, query, buffer): queries contiguous, i.e. the K-major A operand of the dK/dV GEMMs and the
   // order in which the accumulators hold adjacent elements. Double-buffered by item parity: a warpgroup that
-  // writes item i's tiles has passed item i - 1's barrier, so the other warpgroup has retired item i - 2's GEMMs
-  // (the readers of this buffer); one barrier per item is enough.
+  // writes item i's P^T (dS^T) has passed item i - 1's P^T (dS^T) barrier, which the other warpgroup reached only
+  // after retiring item i - 2's GEMMs (the readers of this buffer); so no barrier is needed before the stores.
   using SmemLayoutPdS = decltype(tile_to_shape(k_major_smem_atom<Element, kBlockM>(),
                                                Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
 
