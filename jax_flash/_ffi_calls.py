@@ -69,7 +69,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
 def fused_dq_requested() -> bool:
     """Whether ``JAX_FLASH_SM90_FUSED_DQ=1`` (read when a backward is traced) asks the backward to sum dQ inside
     its dK/dV pass (atomic float32 adds into a workspace shaped like ``q``) instead of the default separate dQ pass:
-    the Hopper backward, and the sm80 backward's common variant (no softcap, ALiBi, bias, mask or dropout).
+    the Hopper backward up to d=128 (its d=256 kernel has no fused form and keeps the dQ pass), and the sm80
+    backward's common variant (no softcap, ALiBi, bias, mask or dropout).
     Experimental: the Hopper form measured slower on the H200 (benchmarks/NOTES.md). Deterministic calls and
     float32 inputs never use it; the general variant and the float32 kernels ignore the workspace.
     """
