@@ -66,18 +66,32 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
     return o, lse
 
 
+FUSED_DQ_ENV = "JAX_FLASH_FUSED_DQ"
+
+
 def fused_dq_requested() -> bool:
-    """Whether ``JAX_FLASH_SM90_FUSED_DQ=1`` (read when a backward is traced) asks the backward to sum dQ inside
-    its dK/dV pass (atomic float32 adds into a workspace shaped like ``q``) instead of the default separate dQ pass:
-    the Hopper backward up to d=128 (its d=256 kernel has no fused form and keeps the dQ pass), and the sm80
-    backward's common variant (no softcap, ALiBi, bias, mask or dropout).
-    Experimental: the Hopper form measured slower on the H200 (benchmarks/NOTES.md). Deterministic calls and
-    float32 inputs never use it; the general variant and the float32 kernels ignore the workspace.
+    """Whether the backward may sum dQ inside its dK/dV pass (float32 reductions into a workspace shaped like
+    ``q``) instead of a separate dQ pass that recomputes S and dP. ``JAX_FLASH_FUSED_DQ`` (read when a backward
+    is traced): unset or ``1`` (the default: measured 4-8% faster on the H200 for both kernel families,
+    benchmarks/NOTES.md), ``0`` for the separate pass.
     """
-    value = os.environ.get("JAX_FLASH_SM90_FUSED_DQ", "")
+    value = os.environ.get(FUSED_DQ_ENV, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"JAX_FLASH_SM90_FUSED_DQ must be 0 or 1, not {value!r}")
-    return value == "1"
+        raise ValueError(f"{FUSED_DQ_ENV} must be 0 or 1, not {value!r}")
+    return value != "0"
+
+
+def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    """Whether a backward call gets the dq_accum workspace: only where the kernels use it, i.e. the common
+    variant (no softcap, ALiBi, bias, boolean mask or dropout; the general variant forms dbias in its dQ pass) of a
+    non-deterministic (the order of float adds is not reproducible) half-precision call (float32 has its own
+    kernels) with 64 < head_dim <= 128: where it measured faster (the d=128 kernels). At d=64 the Hopper fused form
+    measured 0.67x of the separate pass, the Hopper d=256 kernel has no fused form and sm80's d=256 gained nothing
+    (164 vs 162 TFLOP/s), so those keep the separate pass and get no workspace."""
+    general = (config.softcap > 0 or config.dropout_rate > 0 or masks.alibi_slopes.shape[-1] != 0
+               or dense.has_bias or dense.mask.shape[-1] != 0)
+    return (fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32 and not general
+            and 64 < q.shape[-1] <= 128)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
@@ -93,7 +107,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
-    fused_dq = fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32
+    fused_dq = _uses_fused_dq(q, masks, config, dense)
     results = (
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),

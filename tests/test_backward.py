@@ -94,26 +94,34 @@ def test_gradients_are_deterministic():
             np.testing.assert_array_equal(a, b)
 
 
-def test_fused_dq_workspace_is_declared_only_on_request(monkeypatch):
-    """JAX_FLASH_SM90_FUSED_DQ=1 adds a float32 dq_accum result (like q) to the backward call, which the CPU handler
-    accepts and ignores: same gradients. Deterministic calls never get it; a bad value is a clear error."""
-    case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=32, dtype=jnp.bfloat16)
+def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
+    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with head_dim > 64 gets a float32
+    dq_accum result (like q), which the CPU handler accepts and ignores: same gradients as without it.
+    Deterministic calls, the general variant (softcap here), head_dim <= 64 and JAX_FLASH_FUSED_DQ=0 get none;
+    a bad value is a clear error."""
+    case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
+    workspace = "tensor<1x50x4x72xf32>"
 
-    def lowered(deterministic=False):
+    def lowered(q=q, k=k, v=v, **kwargs):
         """The backward custom call's line of the lowered training step."""
-        text = jax.jit(lambda *a: grads(*a, deterministic=deterministic)).lower(q, k, v, d_o).as_text()
+        text = jax.jit(lambda *a: grads(*a, **kwargs)).lower(q, k, v, jnp.ones_like(q)).as_text()
         (line,) = [line for line in text.splitlines() if f"@{_registration.BACKWARD_TARGET}" in line]
         return line
 
-    default = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
-    assert "tensor<1x50x4x32xf32>" not in lowered()
-    monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "1")
-    assert "tensor<1x50x4x32xf32>" in lowered()
-    assert "tensor<1x50x4x32xf32>" not in lowered(deterministic=True)
-    for a, b in zip(default, grads(q, k, v, d_o)):
+    monkeypatch.delenv("JAX_FLASH_FUSED_DQ", raising=False)
+    assert workspace in lowered()
+    assert workspace not in lowered(deterministic=True)
+    assert workspace not in lowered(softcap=5.0)
+    assert "x64xf32>" not in lowered(q[..., :64], k[..., :64], v[..., :64])
+    with_workspace = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1")
+    assert workspace in lowered()
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "0")
+    assert workspace not in lowered()
+    for a, b in zip(with_workspace, grads(q, k, v, d_o)):
         np.testing.assert_array_equal(a, np.asarray(b.astype(jnp.float32)))
-    monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "yes")
-    with pytest.raises(ValueError, match="JAX_FLASH_SM90_FUSED_DQ"):
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "yes")
+    with pytest.raises(ValueError, match="JAX_FLASH_FUSED_DQ"):
         grads(q, k, v, d_o)

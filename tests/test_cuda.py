@@ -254,16 +254,17 @@ def test_backward_sm90_hdim256_features(feature, heads, seqlens, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
+@pytest.mark.parametrize("dq_mode", ("fused", "separate"))
 @pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap"))
 @pytest.mark.parametrize("head_dim", (64, 128, 120, 256, 36, 33))
-def test_backward_fused_dq(feature, head_dim, kernel, monkeypatch):
-    """The opt-in fused dQ (JAX_FLASH_SM90_FUSED_DQ=1: dQ summed in the dK/dV pass by atomics into a workspace) of
-    either backward family: several key tiles add into each dQ row, ragged edges, GQA, head dims below the tile
-    width (120 on d=128; sm80 only: 36 and an odd 33, element-wise loads and pairs that are not 8-byte aligned),
-    d=256 (sm80 fuses; sm90 has no fused form at d=256 and keeps its dQ pass despite the workspace). softcap
-    (sm80 only) takes the general variant, which keeps its dQ pass despite the workspace."""
+def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
+    """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
+    dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
+    ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
+    loads and pairs that are not 8-byte aligned), d=256 (sm80 fuses; the Hopper d=256 kernel has no fused form and gets no workspace). softcap takes the general variant, which always
+    has its dQ pass; head_dim <= 64 gets no workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
-    monkeypatch.setenv("JAX_FLASH_SM90_FUSED_DQ", "1")
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=head_dim + len(feature))
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
@@ -572,7 +573,7 @@ def test_deterministic_dbias_is_bit_identical(shape):
     np.testing.assert_allclose(np.asarray(atomic), runs[0][3], rtol=1e-4, atol=1e-4)
 
 
-# The sm90 forward with an additive bias and/or a boolean mask (experimental): taken only with JAX_FLASH_SM90_DENSE=1.
+# The sm90 forward with an additive bias and/or a boolean mask (the default; JAX_FLASH_SM90_DENSE=0 turns it off).
 # Forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90) so that a refusal fails the test; same references as the sm80 tests.
 def use_sm90_dense(monkeypatch, head_dim: int):
     use_forward_kernel(monkeypatch, "sm90", head_dim)
@@ -648,14 +649,15 @@ def test_sm90_dense_bias_mask_softcap_alibi_gqa_fp16(monkeypatch):
 
 
 def test_sm90_dense_matches_sm80_closely(monkeypatch):
-    """Automatic choice with the opt-in (sm90) against sm80 on a long padding-mask call: many key tiles, whole
+    """The automatic choice (sm90 dense form) against sm80 on a long padding-mask call: many key tiles, whole
     hidden tiles at the end of the short batch row."""
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")
     case = Case(batch=2, seqlen_q=1100, seqlen_k=1500, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
                 seed=17)
     q, k, v = _on(GPUS[0], *case.inputs())
-    kwargs = _gpu_kwargs(dict(mask=_padding_mask([1500, 600], case.seqlen_k)))
+    mask = _padding_mask([1500, 600], case.seqlen_k)
+    kwargs = _gpu_kwargs(dict(mask=mask))
     results = {}
     for kernel, dense in (("sm80", "0"), ("auto", "1")):
         monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
@@ -664,17 +666,27 @@ def test_sm90_dense_matches_sm80_closely(monkeypatch):
         results[kernel] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
     np.testing.assert_allclose(results["auto"][0], results["sm80"][0], atol=2e-2)
     np.testing.assert_allclose(results["auto"][1], results["sm80"][1], atol=1e-3)
-    check_forward_on_gpu(case, mask=kwargs["mask"])  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result
+    check_forward_on_gpu(case, mask=mask)  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result (host mask: the
+    # check also runs the CPU handler)
+
+
+def test_sm90_dense_is_the_default(monkeypatch):
+    """Without JAX_FLASH_SM90_DENSE, a forced-sm90 padding-mask call runs (no refusal) and is correct."""
+    if not _is_hopper():
+        pytest.skip("needs a compute capability 9.x GPU")
+    use_forward_kernel(monkeypatch, "sm90", DENSE_CASE.head_dim)
+    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
+    check_forward_on_gpu(DENSE_CASE, mask=_padding_mask([203, 90], DENSE_CASE.seqlen_k))
 
 
 @pytest.mark.parametrize("dense", ("bias", "mask"))
-def test_sm90_dense_needs_the_opt_in(dense, monkeypatch):
-    """Forced sm90 without JAX_FLASH_SM90_DENSE=1 refuses a bias/mask call, naming the variable; dropout is refused
-    even with it; a bad value is an error."""
+def test_sm90_dense_can_be_turned_off(dense, monkeypatch):
+    """Forced sm90 with JAX_FLASH_SM90_DENSE=0 refuses a bias/mask call, naming the variable; dropout is refused
+    with the dense form on; a bad value is an error."""
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", "sm90")
-    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
+    monkeypatch.setenv("JAX_FLASH_SM90_DENSE", "0")
     case = DENSE_CASE
     q, k, v = _on(GPUS[0], *case.inputs())
     kwargs = (dict(bias=jax.random.normal(jax.random.key(1), (4, 150, 203), jnp.float32)) if dense == "bias"

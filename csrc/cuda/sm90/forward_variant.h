@@ -14,7 +14,7 @@ enum class ForwardVariant {
   kCommon,      // raw dots and position masks; the scale folds into the exp2 argument
   kTransforms,  // + softcap, ALiBi or a non-positive scale: scores transformed element by element, no extra loads
   kDense,       // + an additive bias and/or a boolean mask: per-element loads, and a key-tile walk that skips the
-                //   tiles the mask's block summary hides (experimental, JAX_FLASH_SM90_DENSE=1 in dispatch.cu)
+                //   tiles the mask's block summary hides (JAX_FLASH_SM90_DENSE=0 turns it off, dispatch.cu)
 };
 
 // Whether the kernel transforms scores element by element (sm80::ScoreTile's general variant).

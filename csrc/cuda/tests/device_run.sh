@@ -14,9 +14,9 @@
 #                tiles) and uncapped, the three sanitizers on
 #                `--small` capped at 2 CTAs        persistent_bench  --bench-persistent (per-tile vs persistent timing,
 #                bit-identical outputs)
-#   dense90      (experimental) JAX_FLASH_SM90_DENSE=1: the standalone grid with bias/mask cases forced through the
-#                sm90 forward, per-tile and persistent (3 CTAs), and the three sanitizers on `--small` both ways
-#                dense90_bench  --bench (its padding-mask row times the forward with JAX_FLASH_SM90_DENSE=0 and =1)
+#   dense90      the bias/mask forwards: the standalone grid with JAX_FLASH_SM90_DENSE=0 (sm80), then through the
+#                sm90 dense form (the default) per-tile and persistent (3 CTAs), and the three sanitizers on `--small`
+#                both ways        dense90_bench  --bench (its padding-mask row times the forward both ways)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
@@ -124,14 +124,15 @@ persistent() {
 
 dense90() {
   local tool persistent rc=0
-  export JAX_FLASH_SM90_DENSE=1
-  echo "== check JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=0"
+  echo "== check JAX_FLASH_SM90_DENSE=0 (bias/mask forwards on sm80)"
+  JAX_FLASH_SM90_DENSE=0 "$check" || rc=1
+  echo "== check JAX_FLASH_SM90_PERSISTENT=0"
   JAX_FLASH_SM90_PERSISTENT=0 "$check" || rc=1
-  echo "== check JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3"
+  echo "== check JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3"
   JAX_FLASH_SM90_PERSISTENT=1 JAX_FLASH_SM90_PERSISTENT_CTAS=3 "$check" || rc=1
   for tool in memcheck racecheck synccheck; do
     for persistent in 0 1; do
-      echo "== $tool --small JAX_FLASH_SM90_DENSE=1 JAX_FLASH_SM90_PERSISTENT=$persistent (CTAS=2)"
+      echo "== $tool --small JAX_FLASH_SM90_PERSISTENT=$persistent (CTAS=2)"
       JAX_FLASH_SM90_PERSISTENT=$persistent JAX_FLASH_SM90_PERSISTENT_CTAS=2 \
         sanitized "dense90_${tool}_persistent$persistent" "$tool" --small || rc=1
     done

@@ -10,10 +10,9 @@
 //   The sm90 forward's grid modes over the case grid: unset (auto) runs the persistent grid where seqlen_k <= 2048,
 //   i.e. every case of the grid; JAX_FLASH_SM90_PERSISTENT=0 forces one CTA per tile, =1 the persistent grid, and
 //   JAX_FLASH_SM90_PERSISTENT_CTAS=N (e.g. 1 or 3) makes small cases loop over many tiles per CTA.
-//   JAX_FLASH_SM90_DENSE=1 standalone_check [--small]
-//                               (experimental) on a 9.x GPU, each case with a bias and/or mask but no dropout runs
-//                               its forward forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90: a refusal fails the case);
-//                               --bench then also times the padding-mask forward both ways
+//   On a 9.x GPU, each case with a bias and/or mask but no dropout runs its forward forced to sm90
+//   (JAX_FLASH_CUDA_KERNEL=sm90: a refusal fails the case) unless JAX_FLASH_SM90_DENSE=0 (then sm80, as the
+//   dispatcher would); --bench times the padding-mask forward both ways
 //   standalone_check --sm90-backward [--small]
 //                               the Hopper backward (experimental): a grid aimed at it, each case's backward forced
 //                               to sm90 where it applies (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90, so a refusal fails the
@@ -328,12 +327,11 @@ bool device_is_hopper() {
   return major == 9;
 }
 
-// Whether this case's forward is forced to the sm90 kernel: with JAX_FLASH_SM90_DENSE=1 (experimental) on a 9.x
-// GPU, every case with a bias and/or mask that the sm90 forward can take (dispatch.cu sm90_forward_refusal: no
+// Whether this case's forward is forced to the sm90 kernel: unless JAX_FLASH_SM90_DENSE=0, on a 9.x GPU, every case with a bias and/or mask that the sm90 forward can take (dispatch.cu sm90_forward_refusal: no
 // dropout, head_dim a multiple of 8 and at most 256).
 bool sm90_dense_forward(const Case& c) {
   const char* dense = std::getenv("JAX_FLASH_SM90_DENSE");
-  if (dense == nullptr || std::string(dense) != "1") return false;
+  if (dense != nullptr && std::string(dense) == "0") return false;
   static const bool hopper = device_is_hopper();
   return hopper && (c.bias != 0 || c.dense_mask) && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 &&
          c.head_dim <= 256 && c.seqlen_k > 0;
@@ -461,7 +459,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   std::string err;
   if (sm90_dense_forward(c)) {
     const ScopedEnv forced("JAX_FLASH_CUDA_KERNEL", "sm90");
-    std::printf("    [forward: sm90, JAX_FLASH_SM90_DENSE=1]\n");
+    std::printf("    [forward: sm90 dense form]\n");
     err = jax_flash::cuda::run_forward(p, nullptr);
   } else {
     err = jax_flash::cuda::run_forward(p, nullptr);
@@ -552,7 +550,7 @@ std::vector<Case> case_grid(bool small) {
        .dropout_rate = 0.1f});
   add({.name = "mask blocks (skipped tiles) GQA", .batch = 2, .seqlen_q = 300, .seqlen_k = 333, .heads_q = 4,
        .heads_kv = 2, .dense_mask = true, .mask_blocks = true});
-  // Bias and mask without dropout (the sm90 forward takes these with JAX_FLASH_SM90_DENSE=1).
+  // Bias and mask without dropout (the sm90 forward takes these unless JAX_FLASH_SM90_DENSE=0).
   add({.name = "full bias GQA d=128", .batch = 2, .seqlen_q = 300, .seqlen_k = 257, .heads_q = 4, .heads_kv = 2,
        .head_dim = 128, .bias = 1});
   add({.name = "broadcast bias + blind row blocks + seqlens", .batch = 2, .seqlen_q = 400, .seqlen_k = 333,
@@ -701,7 +699,7 @@ Params square_bf16_problem(int64_t B, int64_t S, int64_t H, int64_t D, bool caus
   return p;
 }
 
-// The padding-mask forward timed with JAX_FLASH_SM90_DENSE=0 (sm80) and =1 (experimental: the sm90 forward takes
+// The padding-mask forward timed with JAX_FLASH_SM90_DENSE=0 (sm80) and =1 (the default: the sm90 forward takes
 // the mask); O and lse of both runs are compared.
 template <class TimeMs>
 void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_ms) {
@@ -718,7 +716,7 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
     CHECK_CUDA(cudaDeviceSynchronize());
     o[dense] = to_host(static_cast<const uint16_t*>(p.o), n);
     lse[dense] = to_host(p.lse, nstat);
-    if (err.empty()) ms[dense] = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
+    if (err.empty()) ms[dense] = time_ms([&] { return jax_flash::cuda::run_forward(p, nullptr); });
   }
   if (!err.empty()) {
     std::printf("bench padding-mask fwd, JAX_FLASH_SM90_DENSE=1: run_forward: %s\n", err.c_str());
@@ -778,8 +776,14 @@ void bench() {
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
-    auto time_ms = [&](auto fn) {
-      for (int i = 0; i < 3; ++i) fn();
+    // fn returns run_*'s error string: a call that fails (e.g. a family forced onto a call it cannot run) is not
+    // timed (NaN), instead of timing an immediate return.
+    auto time_ms = [&](auto fn) -> float {
+      if (std::string err = fn(); !err.empty()) {
+        std::printf("    not timed: %s\n", err.c_str());
+        return NAN;
+      }
+      for (int i = 0; i < 2; ++i) fn();
       CHECK_CUDA(cudaEventRecord(start));
       const int reps = 20;
       for (int i = 0; i < reps; ++i) fn();
@@ -789,30 +793,15 @@ void bench() {
       CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
       return ms / reps;
     };
-    const float fwd = time_ms([&] { jax_flash::cuda::run_forward(p, nullptr); });
-    // A refused or failed launch would time as nearly free: check one call of each kind first.
-    std::string err = jax_flash::cuda::run_backward(p, nullptr);
-    for (bool deterministic : {false, true}) {
-      if (!err.empty()) break;
-      AttentionBackwardParams variant = p;
-      variant.dq_accum = nullptr;
-      variant.deterministic = deterministic;
-      err = jax_flash::cuda::run_backward(variant, nullptr);
-    }
-    if (!err.empty()) {
-      std::printf("bench d=%lld causal=%d padding_mask=%d: run_backward: %s  FAIL\n", (long long)D, causal,
-                  padding_mask, err.c_str());
-      continue;
-    }
-    // The backward with the dq_accum workspace (both families fuse dQ into their dK/dV pass; sm80's general
-    // variant, the padding-mask row, ignores it),
-    // without it (the default: a dQ pass of its own), and deterministic.
-    const float bwd_fused = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    const float fwd = time_ms([&] { return jax_flash::cuda::run_forward(p, nullptr); });
+    // The backward with the dq_accum workspace (the default: both families fuse dQ into their dK/dV pass; sm80's
+    // general variant, the padding-mask row, ignores it), without it (a dQ pass of its own), and deterministic.
+    const float bwd_fused = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     float* dq_accum = p.dq_accum;
     p.dq_accum = nullptr;
-    const float bwd = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    const float bwd = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = true;
-    const float bwd_deterministic = time_ms([&] { jax_flash::cuda::run_backward(p, nullptr); });
+    const float bwd_deterministic = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = false;
     p.dq_accum = dq_accum;
     CHECK_CUDA(cudaGetLastError());
