@@ -261,8 +261,9 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
-    loads and pairs that are not 8-byte aligned), d=256 (sm80 fuses; the Hopper d=256 kernel has no fused form and gets no workspace). softcap takes the general variant, which always
-    has its dQ pass; head_dim <= 64 gets no workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
+    loads and pairs that are not 8-byte aligned), d=256 (sm80 fuses nothing there either: no workspace). softcap
+    takes the general variant, which always has its dQ pass; head_dim <= 64 and > 128 get no workspace
+    (jax_flash/_ffi_calls.py), so both modes run that pass."""
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,

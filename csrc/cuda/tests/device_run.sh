@@ -23,6 +23,8 @@
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ)
+#   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
+#   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
@@ -162,6 +164,14 @@ ncu_bwd() {
   ncu --kernel-name regex:dq_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench
 }
 
+# Which kernels a feature forward through JAX runs and how long each takes (feature_forward_probe.py: plain,
+# padding mask as a closure constant and as an argument, softcap): one line per kernel launch, after warm-up.
+ncu_features() {
+  (cd /tmp && ncu --kernel-name regex:forward --launch-skip 0 --launch-count 40 --section SpeedOfLight \
+     python3 "$repo/csrc/cuda/tests/feature_forward_probe.py" --reps 2) > "$out/ncu_features_full.log" 2>&1 || return 1
+  grep -E "TFLOP/s|forward_kernel|Duration" "$out/ncu_features_full.log"
+}
+
 if [ "${1:-}" = __function ]; then
   shift
   "$@"
@@ -185,6 +195,8 @@ run_stage() {
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
+    ncu_features) stage ncu_features 180 ncu_features ;;
+    probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
