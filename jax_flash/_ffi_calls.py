@@ -86,8 +86,8 @@ def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense
     variant (no softcap, ALiBi, bias, boolean mask or dropout; the general variant forms dbias in its dQ pass) of a
     non-deterministic (the order of float adds is not reproducible) half-precision call (float32 has its own
     kernels) with 64 < head_dim <= 128: where it measured faster (the d=128 kernels). At d=64 the Hopper fused form
-    measured 0.67x of the separate pass and sm80's d=256 gained nothing (164 vs 162 TFLOP/s), so those keep the
-    separate pass and get no workspace."""
+    measured 0.67x of the separate pass, the Hopper d=256 kernel has no fused form and sm80's d=256 gained nothing
+    (164 vs 162 TFLOP/s), so those keep the separate pass and get no workspace."""
     general = (config.softcap > 0 or config.dropout_rate > 0 or masks.alibi_slopes.shape[-1] != 0
                or dense.has_bias or dense.mask.shape[-1] != 0)
     return (fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32 and not general

@@ -201,8 +201,8 @@ def use_backward_kernel(monkeypatch, kernel: str, head_dim: int, feature: str = 
     if kernel == "sm90":
         if reason := _sm90_backward_refusal():
             pytest.skip(reason)
-        if head_dim % 8 != 0 or head_dim > 128:
-            pytest.skip("the sm90 backward has d=64 and d=128 kernels (TMA: head_dim % 8 == 0)")
+        if head_dim % 8 != 0 or head_dim > 256:
+            pytest.skip("the sm90 backward has d=64, d=128 and d=256 kernels (TMA: head_dim % 8 == 0)")
         if feature not in SM90_BACKWARD_FEATURES:
             pytest.skip(f"{feature} runs on the sm80 backward only")
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", kernel)
@@ -230,12 +230,26 @@ def test_backward_features(feature, heads, seqlens, kernel, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
+@pytest.mark.parametrize("head_dim", (128, 256))
 @pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments"))
-def test_backward_sm90_long_sequences(feature, monkeypatch):
-    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop, d=128."""
-    use_backward_kernel(monkeypatch, "sm90", 128, feature)
-    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
+def test_backward_sm90_long_sequences(feature, head_dim, monkeypatch):
+    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop; d=256 is
+    the split-head-dim dK/dV kernel and the 32-key-tile dQ kernel."""
+    use_backward_kernel(monkeypatch, "sm90", head_dim, feature)
+    case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=12)
+    check_gradients_on_gpu(case, **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("feature", SM90_BACKWARD_FEATURES)
+@pytest.mark.parametrize("heads", ((4, 4), (4, 1)), ids=("mha", "mqa"))
+@pytest.mark.parametrize("seqlens", ((40, 300), (300, 40), (333, 517)), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_hdim256_features(feature, heads, seqlens, monkeypatch):
+    """Every mask the sm90 backward takes at d=256 (two consumer warpgroups sharing 64 keys, P^T/dS^T through
+    shared memory), ragged query and key tiles, the MQA group loop."""
+    use_backward_kernel(monkeypatch, "sm90", 256, feature)
+    case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1], head_dim=256,
+                dtype=jnp.bfloat16, seed=len(feature) + 7)
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
@@ -247,8 +261,9 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
-    loads and pairs that are not 8-byte aligned), d=256 (sm80). softcap takes the general variant, which always
-    has its dQ pass; head_dim <= 64 and > 128 get no workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
+    loads and pairs that are not 8-byte aligned), d=256 (sm80 fuses nothing there either: no workspace). softcap
+    takes the general variant, which always has its dQ pass; head_dim <= 64 and > 128 get no workspace
+    (jax_flash/_ffi_calls.py), so both modes run that pass."""
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
@@ -268,9 +283,10 @@ def test_forcing_sm90_backward_on_an_unsupported_call_is_a_clear_error(monkeypat
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
 @pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "everything"))
-def test_deterministic_backward_is_bit_identical(feature, kernel, monkeypatch):
-    use_backward_kernel(monkeypatch, kernel, 128, feature)
-    case = Case(batch=2, seqlen_q=1000, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("head_dim", (128, 256))
+def test_deterministic_backward_is_bit_identical(feature, kernel, head_dim, monkeypatch):
+    use_backward_kernel(monkeypatch, kernel, head_dim, feature)
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16)
     q, k, v = _on(GPUS[0], *case.inputs())
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])
     kwargs = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a

@@ -14,6 +14,8 @@
 // and stages it in shared memory; producer warp 2 adds the staged tile to dq_accum row by row with bulk
 // reductions (dq_staging.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
 // 5 GEMMs instead of 7.
+// At d=256 (DkdvSplitTraits) the same producer and kernel entry drive the split-head-dim consumers of
+// backward_dkdv_split_consumer.h instead (no fused dQ there).
 #pragma once
 
 #include <cmath>
@@ -27,6 +29,8 @@
 #include "../sm80/fragments.h"
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
+#include "backward_dkdv_split_consumer.h"
+#include "backward_key_block.h"
 #include "backward_traits.h"
 #include "dq_staging.h"
 #include "fragments.h"
@@ -38,57 +42,6 @@ namespace jax_flash::cuda::sm90 {
 // dQ) kDsStoredBarrier: their dS of an item is in shared memory, or their last dQ GEMM read of K has retired.
 constexpr int kDkdvEpilogueBarrier = 1;
 constexpr int kDsStoredBarrier = 3;
-
-// The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
-struct KeyBlock {
-  int64_t batch;
-  int64_t head_kv;
-  int64_t group;        // query heads per KV head
-  int64_t n0;           // first key
-  int keys_in_bounds;   // keys of the tile that exist (< seqlen_k)
-  SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
-  TileSpan query_tiles;
-  int items;            // group * query_tiles.size()
-
-  __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
-  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
-};
-
-template <class Traits>
-__device__ KeyBlock locate_key_block(const AttentionParams& p) {
-  const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
-  const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
-  KeyBlock kb;
-  kb.batch = cta.batch;
-  kb.head_kv = cta.head;
-  kb.group = p.heads_q / p.heads_kv;
-  kb.n0 = int64_t(cta.block) * Traits::kBlockN;
-  kb.keys_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockN), p.seqlen_k - kb.n0));
-  kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
-  kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
-  kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
-  return kb;
-}
-
-// Stores rows [row_begin, row_end) of a [kBlockN, kHeadDim] tile staged in `staged` (16-byte chunks; head_dim
-// is a multiple of 8 on this path), or zeros when staged is null.
-template <class Traits, class Staged>
-__device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out, Staged const* staged,
-                               int row_begin, int row_end, int thread, int threads) {
-  using T = typename Traits::Element;
-  const sm80::BshdShape kv_shape = sm80::key_shape(p);
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
-  const int rows = min(row_end, kb.keys_in_bounds) - row_begin;
-  for (int i = thread; i < rows * kChunksPerRow; i += threads) {
-    const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
-    if (chunk < chunks_in_bounds) {
-      T* dst = static_cast<T*>(out) + kv_shape.offset(kb.batch, kb.n0 + row, kb.head_kv) + chunk * 8;
-      *reinterpret_cast<uint4*>(dst) =
-          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
 
 // Producer thread: K and V once, then Q and dO of every item.
 template <class Traits>
@@ -314,6 +267,7 @@ template <class Traits, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
+  static_assert(!(kFusedDq && Traits::kSplitHeadDim), "the split-head-dim form has no fused dQ");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
@@ -362,12 +316,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       produce_dkdv_tiles<Traits>(args, kb, smem, pipeline_qdo);
     } else if (warp == 1) {
       produce_row_stats<Traits>(p, kb, smem, pipeline_stats);
-    } else if (kFusedDq && warp == 2) {
-      write_dq_tiles<Traits>(p, kb, smem);
+    } else if constexpr (kFusedDq) {
+      if (warp == 2) write_dq_tiles<Traits>(p, kb, smem);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_query_tiles<Traits, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    if constexpr (Traits::kSplitHeadDim) {
+      consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    } else {
+      consume_query_tiles<Traits, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    }
   }
 }
 

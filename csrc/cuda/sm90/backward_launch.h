@@ -1,7 +1,8 @@
 // Host launcher of the Hopper backward for one (head dim, element type); instantiated once per generated .cu
 // (sm_90a only):
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
-//   2. dK/dV pass (backward_dkdv_kernel.h), one CTA per key tile and KV head
+//   2. dK/dV pass (backward_dkdv_kernel.h; at d=256 with backward_dkdv_split_consumer.h), one CTA per key tile
+//      and KV head
 //   3. with a dq_accum workspace (the default, jax_flash/_ffi_calls.py; never for deterministic calls,
 //      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=128): dQ was summed into it by step 2 (zeroed
 //      first); one elementwise pass scales and converts it (common/dq_accum.h). Otherwise the dQ pass
@@ -55,7 +56,7 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 template <int kHeadDim, class Element, bool kFusedDq>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = DkdvTraits<kHeadDim, Element>;
+  using Traits = DkdvTraitsFor<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);

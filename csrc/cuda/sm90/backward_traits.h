@@ -2,8 +2,12 @@
 // are a producer warpgroup (TMA) plus consumer warpgroups of 64 rows each along the M of every GEMM:
 //   dK/dV kernel: M = keys (resident), streams (Q, dO) tiles of block_m query rows;
 //   dQ kernel:    M = query rows (resident), streams (K, V) tiles of block_n keys.
+// Except at d=256 (DkdvSplitTraits): there dK and dV of 64 keys would be 256 floats per thread, so the dK/dV
+// kernel's two consumer warpgroups share 64 keys and split the head dim instead.
 // Only the common variant exists (no softcap/ALiBi/bias/mask/dropout: those calls run the sm80 backward).
 #pragma once
+
+#include <type_traits>
 
 #include "kernel_traits.h"
 
@@ -13,21 +17,37 @@ struct BackwardTile {
   int block_m;  // dK/dV: query rows per pipeline stage; dQ: query rows per CTA (64 per consumer warpgroup)
   int block_n;  // dK/dV: keys per CTA (64 per consumer warpgroup); dQ: keys per pipeline stage
   int stages;   // streamed tile buffers
+  // dK/dV only: the two consumer warpgroups share the CTA's 64 keys and each owns half of the head dim's columns
+  // of dK and dV (DkdvSplitTraits); no fused dQ.
+  bool split_head_dim = false;
 };
 
-// Registers per consumer thread (240 after setmaxnreg), floats: dK/dV kernel S^T and dP^T block_m / 2 each,
+// Registers per consumer thread (232/240 after setmaxnreg), floats: dK/dV kernel S^T and dP^T block_m / 2 each,
 // dK and dV head_dim / 2 each; dQ kernel S and dP block_n / 2 each, dQ head_dim / 2.
 // smem bytes: dK/dV 2 * block_n * d * 2 + stages * 2 * block_m * d * 2 + 2 * block_m * block_n * 2 (dS);
 //             dQ    2 * block_m * d * 2 + stages * 2 * block_n * d * 2.
+// Split head dim (d=256): S^T and dP^T block_m / 4 floats each (each warpgroup computes half of the queries),
+// dK and dV head_dim / 4 each; smem 2 * block_n * d * 2 + stages * 2 * block_m * d * 2 + 2 buffers of P^T and
+// dS^T (2 * 2 * block_m * block_n * 2).
+// The fused dQ does not fit at d=256: it would add a 64 x 264 float dQ staging tile (66 KiB) to K and V (64 KiB),
+// one Q/dO stage (64 KiB) and P^T/dS^T (16 KiB): 210 KiB with a single stage, i.e. no load overlap at all.
 constexpr BackwardTile dkdv_tile(int head_dim) {
   // d=64 with 128-row query tiles (64 + 64 + 32 + 32 floats) spilled; 64 rows and a third stage instead.
   // Fused dQ adds head_dim / 4 floats (the dQ slice) while S^T and dP^T are already converted.
-  return head_dim <= 64 ? BackwardTile{64, 128, 3}     // d=64:  32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
-                        : BackwardTile{64, 128, 2};    // d=128: 64 + 64 + 32 KiB; 32 + 32 + 64 + 64 floats
+  switch (head_dim) {
+    case 64: return {64, 128, 3};         // 32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
+    case 128: return {64, 128, 2};        // 64 + 64 + 32 KiB; 32 + 32 + 64 + 64 floats
+    default: return {64, 64, 2, true};    // 256: 64 + 128 + 32 = 224 KiB; 16 + 16 + 64 + 64 floats
+  }
 }
 constexpr BackwardTile dq_tile(int head_dim) {
-  return head_dim <= 64 ? BackwardTile{128, 128, 2}    // d=64:  32 + 64 KiB; 64 + 64 + 32 floats
-                        : BackwardTile{128, 64, 2};    // d=128: 64 + 64 KiB; 32 + 32 + 64 floats
+  switch (head_dim) {
+    case 64: return {128, 128, 2};   // 32 + 64 KiB; 64 + 64 + 32 floats
+    case 128: return {128, 64, 2};   // 64 + 64 KiB; 32 + 32 + 64 floats
+    // 256: Q and dO alone are 128 KiB, so key tiles of 32 (three stages of K and V: 96 KiB, 225 KiB in all);
+    // 16 + 16 + 128 floats.
+    default: return {128, 32, 3};
+  }
 }
 
 // setmaxnreg moves registers only within what the CTA was launched with (65536 / threads, rounded down to a
@@ -37,10 +57,11 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
   return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
 }
 
-constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 // Whether the dK/dV pass may also sum dQ into the dq_accum workspace (the fused dQ); otherwise the launcher runs
 // the separate dQ pass whatever the call gives. d=64 fused measured far slower through JAX on the H200 (4k: 242 vs
-// 359 TFLOP/s; half the GEMM work per item against the same 64 bulk row reductions), d=128 faster (452 vs 414).
+// 359 TFLOP/s; half the GEMM work per item against the same 64 bulk row reductions), d=128 faster (452 vs 414);
+// the d=256 split kernel has no fused form (no shared memory left for the staged dQ tile).
 constexpr bool has_fused_dq(int head_dim) { return head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
@@ -69,6 +90,8 @@ struct DkdvTraits {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
+  static constexpr bool kSplitHeadDim = false;  // consumer warpgroups stacked along keys
+  static_assert(!kTile.split_head_dim, "use DkdvSplitTraits");
   static constexpr int kConsumerGroups = kBlockN / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
@@ -145,6 +168,88 @@ struct DkdvTraits {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
+
+// The split-head-dim dK/dV kernel (d=256, backward_dkdv_split_consumer.h): both consumer warpgroups share the CTA's
+// kBlockN = 64 keys. Per query tile, warpgroup g computes S^T and dP^T for its half of the block_m queries, forms
+// P^T and dS^T, and stores them into shared memory; after a barrier both use the whole tiles as SS operands of
+//   dV[:, g-th half] += P^T dO[:, g-th half],   dK[:, g-th half] += dS^T Q[:, g-th half].
+// Why split S^T along queries rather than give S^T to one warpgroup and dP^T to the other: each query column needs
+// its own lse and D only, so the halves stay independent until the store, and both warpgroups run the same
+// GEMMs and exps (balanced); the S^T / dP^T split would have to send P through shared memory before dS exists.
+template <int kHeadDim_, class Element_>
+struct DkdvSplitTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
+  static_assert(kTile.split_head_dim, "use DkdvTraits");
+  static constexpr bool kSplitHeadDim = true;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumerGroups = 2;
+  static constexpr int kConsumerThreads = kConsumerGroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  // As DkdvTraits: 32 for the producer's row-statistics warp, so 232 (not 240) is what the consumers can take.
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kQueryCols = kBlockM / kConsumerGroups;  // S^T / dP^T columns of one warpgroup
+  static constexpr int kDkvCols = kHeadDim / kConsumerGroups;   // dK / dV columns of one warpgroup
+  // 64 keys: one WGMMA M for both warpgroups; whole swizzle atoms (64 columns) per warpgroup's share of dO^T / Q^T.
+  static_assert(kBlockN == 64 && kQueryCols % 16 == 0 && kDkvCols % 64 == 0);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
+
+  // One warpgroup per MMA: each picks its own shared-memory slices (its queries, its head-dim columns).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kQueryCols>, Int<kHeadDim>>>()));
+  using TiledMmaDkv = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDkvCols>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>()));
+
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also stages dK, dV
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
+  using SmemLayoutQt = decltype(transposed_stages(SmemLayoutQ{}));
+  // P^T and dS^T as (key, query, buffer): queries contiguous, i.e. the K-major A operand of the dK/dV GEMMs and the
+  // order in which the accumulators hold adjacent elements. Double-buffered by item parity: a warpgroup that
+  // writes item i's P^T (dS^T) has passed item i - 1's P^T (dS^T) barrier, which the other warpgroup reached only
+  // after retiring item i - 2's GEMMs (the readers of this buffer); so no barrier is needed before the stores.
+  using SmemLayoutPdS = decltype(tile_to_shape(k_major_smem_atom<Element, kBlockM>(),
+                                               Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;   // Q and dO tiles, one barrier per stage for both
+  using StatsPipeline = cutlass::PipelineAsync<kStages>;  // lse / softmax_d of the same tiles, filled by a warp
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> probs;        // P^T
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> score_grads;  // dS^T
+    float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
+    float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
+    typename Pipeline::SharedStorage pipeline_qdo;
+    typename StatsPipeline::SharedStorage pipeline_stats;
+    alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024);
+
+  using GmemTensor = typename BshdGmem<Element>::Tensor_;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+};
+
+// The dK/dV traits of a head dim: the tile table's split_head_dim picks the kernel form.
+template <int kHeadDim, class Element>
+using DkdvTraitsFor = std::conditional_t<dkdv_tile(kHeadDim).split_head_dim, DkdvSplitTraits<kHeadDim, Element>,
+                                         DkdvTraits<kHeadDim, Element>>;
 
 template <int kHeadDim_, class Element_>
 struct DqTraits {

@@ -16,7 +16,7 @@ constexpr int kForwardHeadDims[] = {64, 128, 256};
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
-// The Hopper backward (head dims 64 and 128, backward_traits.h); dispatch.cu runs it on 9.x for the calls it
+// The Hopper backward (head dims 64, 128 and 256, backward_traits.h); dispatch.cu runs it on 9.x for the calls it
 // supports (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);

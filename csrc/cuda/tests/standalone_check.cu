@@ -2,7 +2,7 @@
 // Fresh random inputs per case, outputs poisoned with NaN before each call, every feature of the score pipeline.
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
-//   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events)
+//   standalone_check --bench    time fwd/bwd at d=128 and d=256, 16k tokens, seqlen 4k (CUDA events)
 //   standalone_check --bench-persistent
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
@@ -615,8 +615,8 @@ std::vector<Case> case_grid(bool small) {
 }
 
 // The Hopper backward's grid: the common variant (masks by position, lengths and segments only), head dims that
-// run on its d=64 and d=128 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so that
-// the pipelines wrap, ragged tile edges, rows and key tiles that see nothing, deterministic reruns.
+// run on its d=64, d=128 and d=256 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so
+// that the pipelines wrap, ragged tile edges, rows and key tiles that see nothing, deterministic reruns.
 std::vector<Case> sm90_backward_grid(bool small) {
   std::vector<Case> cases;
   auto add = [&](Case c) { cases.push_back(c); };
@@ -630,8 +630,10 @@ std::vector<Case> sm90_backward_grid(bool small) {
   add({.name = "sm90 bwd all masked rows", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
        .window_left = 0, .window_right = 0});
   add({.name = "sm90 bwd seqlen 1", .seqlen_q = 1, .seqlen_k = 1, .head_dim = 128});
+  add({.name = "sm90 bwd d=256 causal GQA odd seqlens", .batch = 2, .seqlen_q = 77, .seqlen_k = 150, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 256, .causal = true});
   if (small) return cases;
-  for (int64_t d : {8, 64, 96, 128}) {
+  for (int64_t d : {8, 64, 96, 128, 192, 256}) {
     for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
       add({.name = "sm90 bwd head dim sweep causal", .batch = 1, .seqlen_q = 300, .seqlen_k = 300, .heads_q = 2,
            .heads_kv = 1, .head_dim = d, .type = t, .causal = true});
@@ -653,6 +655,24 @@ std::vector<Case> sm90_backward_grid(bool small) {
        .heads_kv = 2, .head_dim = 128, .causal = true, .seqlens = true});
   add({.name = "sm90 bwd segments", .batch = 2, .seqlen_q = 150, .seqlen_k = 150, .segments = true});
   add({.name = "sm90 bwd large logits", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128, .input_scale = 3.0f});
+  // d=256: the split-head-dim dK/dV kernel (64-key CTAs, double-buffered P^T/dS^T) and the 32-key-tile dQ kernel.
+  add({.name = "sm90 bwd d=256 seqlen 1000 MQA causal", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000,
+       .heads_q = 4, .heads_kv = 1, .head_dim = 256, .causal = true});
+  add({.name = "sm90 bwd d=256 non-causal fp16 deterministic", .batch = 2, .seqlen_q = 333, .seqlen_k = 517,
+       .heads_q = 2, .heads_kv = 2, .head_dim = 256, .type = ElementType::kFloat16, .deterministic = true});
+  add({.name = "sm90 bwd d=256 sq>sk causal (empty rows)", .batch = 2, .seqlen_q = 300, .seqlen_k = 90,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 256, .causal = true});
+  add({.name = "sm90 bwd d=256 seqlens + segments + window fp16", .batch = 3, .seqlen_q = 130, .seqlen_k = 200,
+       .heads_q = 4, .heads_kv = 1, .head_dim = 256, .type = ElementType::kFloat16, .window_left = 40,
+       .window_right = 7, .seqlens = true, .segments = true, .deterministic = true});
+  add({.name = "sm90 bwd d=256 top-left causal, offset -5", .seqlen_q = 190, .seqlen_k = 160, .head_dim = 256,
+       .causal = true, .align_to_sequence_end = false, .diagonal_offset = -5});
+  add({.name = "sm90 bwd d=256 window only (left 16, right 0)", .seqlen_q = 257, .seqlen_k = 257, .head_dim = 256,
+       .window_left = 16, .window_right = 0});
+  add({.name = "sm90 bwd d=256 all masked rows", .seqlen_q = 64, .seqlen_k = 64, .head_dim = 256,
+       .diagonal_offset = 1000, .window_left = 0, .window_right = 0});
+  add({.name = "sm90 bwd d=200 (padded to 256) large logits", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 200,
+       .input_scale = 3.0f});
   add({.name = "sm90 bwd falls back: softcap + alibi (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f,
        .alibi = true});
   return cases;
@@ -661,7 +681,7 @@ std::vector<Case> sm90_backward_grid(bool small) {
 // Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks).
 bool sm90_backward_applies(const Case& c) {
   return c.softcap == 0.0f && !c.alibi && c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f &&
-         c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
+         c.head_dim % 8 == 0 && c.head_dim <= 256 && c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
 // The benchmarks' problem: batch B of S queries and S keys, H heads of D (no GQA), bf16, scale 1/sqrt(D); the
@@ -714,13 +734,18 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
               ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[0] / ms[1], o_diff, lse_diff);
 }
 
-// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
+// fwd/bwd TFLOP/s at seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: d=128 causal or not, and non-causal
 // with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
-// FLOPs are counted as without it).
+// FLOPs are counted as without it); d=256 causal or not.
 void bench() {
-  for (int row = 0; row < 3; ++row) {
-    const bool causal = row == 1, padding_mask = row == 2;
-    const int64_t B = 4, S = 4096, H = 16, D = 128;
+  struct Row {
+    int64_t head_dim;
+    bool causal, padding_mask;
+  };
+  for (const Row row : {Row{128, false, false}, Row{128, true, false}, Row{128, false, true}, Row{256, false, false},
+                        Row{256, true, false}}) {
+    const bool causal = row.causal, padding_mask = row.padding_mask;
+    const int64_t B = 4, S = 4096, H = 16, D = row.head_dim;
     const size_t n = B * S * H * D;
     AttentionBackwardParams p = square_bf16_problem<AttentionBackwardParams>(B, S, H, D, causal);
     std::mt19937 rng(1);
@@ -782,9 +807,9 @@ void bench() {
     CHECK_CUDA(cudaGetLastError());
     if (padding_mask) bench_dense_forward(p, flops, time_ms);
     const double bwd_flops = 2.5 * flops * 1e-9;
-    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
+    std::printf("bench d=%lld seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
                 "%.1f TFLOP/s, bwd with dq_accum %.3f ms %.1f TFLOP/s, bwd deterministic %.3f ms %.1f TFLOP/s\n",
-                causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd, bwd_fused,
+                (long long)D, causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd, bwd_fused,
                 bwd_flops / bwd_fused, bwd_deterministic, bwd_flops / bwd_deterministic);
   }
 }

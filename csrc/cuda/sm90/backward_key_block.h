@@ -1,0 +1,67 @@
+// The keys one CTA of the Hopper dK/dV pass owns (both of its forms: backward_dkdv_kernel.h and
+// backward_dkdv_split_consumer.h), the (query head, query tile) items it visits, and the store of its dK/dV rows.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/tensor_offsets.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
+struct KeyBlock {
+  int64_t batch;
+  int64_t head_kv;
+  int64_t group;        // query heads per KV head
+  int64_t n0;           // first key
+  int keys_in_bounds;   // keys of the tile that exist (< seqlen_k)
+  SliceMask mask;       // of the group's first query head: position masks are the same for the whole group
+  TileSpan query_tiles;
+  int items;            // group * query_tiles.size()
+
+  __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
+  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
+};
+
+template <class Traits>
+__device__ KeyBlock locate_key_block(const AttentionParams& p) {
+  const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
+  const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
+  KeyBlock kb;
+  kb.batch = cta.batch;
+  kb.head_kv = cta.head;
+  kb.group = p.heads_q / p.heads_kv;
+  kb.n0 = int64_t(cta.block) * Traits::kBlockN;
+  kb.keys_in_bounds = static_cast<int>(min(int64_t(Traits::kBlockN), p.seqlen_k - kb.n0));
+  kb.mask = make_slice_mask(p, kb.batch, kb.head_kv * kb.group);
+  kb.query_tiles = query_tiles_for_keys(kb.mask, kb.n0, Traits::kBlockN, Traits::kBlockM);
+  kb.items = static_cast<int>(kb.group) * kb.query_tiles.size();
+  return kb;
+}
+
+// Stores rows [row_begin, row_end) of a [kBlockN, kHeadDim] tile staged in `staged` (16-byte chunks; head_dim
+// is a multiple of 8 on this path), or zeros when staged is null.
+template <class Traits, class Staged>
+__device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out, Staged const* staged,
+                               int row_begin, int row_end, int thread, int threads) {
+  using T = typename Traits::Element;
+  const sm80::BshdShape kv_shape = sm80::key_shape(p);
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  const int rows = min(row_end, kb.keys_in_bounds) - row_begin;
+  for (int i = thread; i < rows * kChunksPerRow; i += threads) {
+    const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
+    if (chunk < chunks_in_bounds) {
+      T* dst = static_cast<T*>(out) + kv_shape.offset(kb.batch, kb.n0 + row, kb.head_kv) + chunk * 8;
+      *reinterpret_cast<uint4*>(dst) =
+          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90
