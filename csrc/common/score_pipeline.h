@@ -87,13 +87,21 @@ JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, in
   return m;
 }
 
+// tanh(s / softcap) to IEEE float precision: the CPU specification and the float32 kernels.
+struct ExactSoftcapTanh {
+  JF_HOST_DEVICE float operator()(float s, float softcap) const { return tanhf(s / softcap); }
+};
+
 // Raw dot product -> score before masking. Also returns d(score)/d(scaled dot) for the backward (softcap).
+// SoftcapTanh computes tanh(s / softcap): the half-precision GPU kernels pass a faster one (sm80/score_tile.h).
+template <class SoftcapTanh = ExactSoftcapTanh>
 JF_HOST_DEVICE float transform_score(float dot, float softmax_scale, float softcap, float alibi_slope,
-                                      int64_t i, int64_t j, int64_t diagonal_shift, float* dscore_ddot) {
+                                      int64_t i, int64_t j, int64_t diagonal_shift, float* dscore_ddot,
+                                      SoftcapTanh softcap_tanh = {}) {
   float s = dot * softmax_scale;
   float grad = 1.0f;
   if (softcap > 0.0f) {
-    const float t = tanhf(s / softcap);
+    const float t = softcap_tanh(s, softcap);
     s = softcap * t;
     grad = 1.0f - t * t;
   }
