@@ -103,7 +103,8 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   }
   if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p)) {
     return run_fused_dq(
-        p, stream, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },
+        p, stream, p.batch * p.seqlen_q * p.heads_q * p.head_dim,  // like q: the workspace's first part
+        [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },
         dq_from_accum_kernel<Element>, "sm80");
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, stream); !err.empty()) return err;
