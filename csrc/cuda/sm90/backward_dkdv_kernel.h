@@ -167,18 +167,22 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   }
 }
 
-// One thread of producer warp 2 (fused dQ): each item's staged dQ tile into its dq_accum chunk (one bulk
+// Producer warp 2 (fused dQ), lane 0 issuing: each item's staged dQ tile into its dq_accum chunk (one bulk
 // reduction), then the tile back to the consumers once the reduction has read it.
 template <class Traits>
 __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                typename Traits::SharedStorage& smem) {
+  const int lane = threadIdx.x % 32;
   for (int item = 0; item < kb.items; ++item) {
     cutlass::arch::ClusterBarrier::wait(&smem.dq_full, item & 1);
-    reduce_dq_tile(p, smem.dq, kb.batch, kb.head(item), kb.m_block(item));
-    bulk_wait_read();
-    cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
+    if (lane == 0) {
+      reduce_dq_tile(p, smem.dq, kb.batch, kb.head(item), kb.m_block(item));
+      bulk_wait_read();
+      cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
+    }
+    __syncwarp();
   }
-  bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
+  if (lane == 0) bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
 }
 
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
@@ -360,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       produce_dkdv_tiles<Traits>(args, kb, smem, pipeline_qdo);
     } else if (warp == 1) {
       produce_row_stats<Traits>(p, kb, smem, pipeline_stats);
-    } else if (kFusedDq && threadIdx.x == 64) {  // lane 0 of warp 2
+    } else if (kFusedDq && warp == 2) {
       write_dq_tiles<Traits>(p, kb, smem);
     }
   } else {
