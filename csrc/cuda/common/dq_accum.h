@@ -89,16 +89,17 @@ __device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) 
 
 // The dQ part of a fused backward, after softmax_d: zero the first `count` floats of the workspace (what the family's
 // layout uses), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds into it), then its conversion
-// kernel (grid-stride, 4 floats per thread and step: dq_from_accum or sm90's dq_from_tiles).
+// kernel of kDqConvertThreads threads (dq_from_accum or sm90's dq_from_tiles; both grid-stride, so the grid is
+// `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
 template <class LaunchFusedDkdv>
 std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, int64_t count,
                          LaunchFusedDkdv launch_fused_dkdv, void (*convert_kernel)(const AttentionBackwardParams),
-                         const char* family) {
+                         int64_t convert_blocks, const char* family) {
   if (cudaMemsetAsync(p.dq_accum, 0, count * sizeof(float), stream) != cudaSuccess) {
     return sm80::last_launch_error((std::string(family) + " backward: zeroing dq_accum").c_str());
   }
   if (std::string err = launch_fused_dkdv(); !err.empty()) return err;
-  const int64_t blocks = std::min<int64_t>(ceil_div(count, 4 * kDqConvertThreads), 65536);
+  const int64_t blocks = std::min<int64_t>(convert_blocks, 65536);
   if (blocks == 0) return {};
   convert_kernel<<<static_cast<unsigned>(blocks), kDqConvertThreads, 0, stream>>>(p);
   return sm80::last_launch_error((std::string(family) + " dQ conversion kernel launch").c_str());

@@ -108,10 +108,11 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   if constexpr (has_fused_dq(kHeadDim)) {
     // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.
     if (p.dq_accum != nullptr && !p.deterministic && reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0) {
+      const int64_t chunks = p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);  // one CTA each
       return run_fused_dq(
           p, stream, dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim),
           [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); },
-          dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>, "sm90");
+          dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>, chunks, "sm90");
     }
   }
   if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;

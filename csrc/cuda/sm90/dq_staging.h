@@ -93,46 +93,46 @@ __device__ __forceinline__ void reduce_dq_tile(const AttentionBackwardParams& p,
   bulk_commit();
 }
 
-// dq = dq_accum * softmax_scale from the tile-major workspace: grid-stride over its float4s, each one column group
-// of one consumer thread (coalesced reads), mapped back to (row, column) with the consumers' TiledMmaDq, stored as
-// two pairs of adjacent columns. Rows past seqlen_q are skipped. A device function: the family's kernel wraps it.
+// dq = dq_accum * softmax_scale from the tile-major workspace: CTAs stride over the chunks (query tiles), their
+// threads over a chunk's float4s, each one column group of one consumer thread (coalesced reads), mapped back to
+// (row, column) by partitioning an identity tensor with the consumers' TiledMmaDq and thread index, stored as two
+// pairs of adjacent columns. Rows past seqlen_q are skipped. A device function: the family's kernel wraps it.
 template <class Traits>
 __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) {
   using namespace cute;
   using T = typename Traits::Element;
+  struct alignas(2 * sizeof(T)) Pair { T first, second; };
   constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols;
   constexpr int kGroupsPerConsumer = kCols / kDqGroupColumns;
   static_assert(kRows == kDqWorkspaceTileRows);
   static_assert(dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kRows, kCols>());
-  const int64_t groups_per_tile = p.head_dim / kDqGroupColumns;
-  const int64_t vectors_per_tile = groups_per_tile * kDqStagingThreads;
+  const int vectors_per_chunk = static_cast<int>(p.head_dim / kDqGroupColumns) * kDqStagingThreads;
   const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  const int64_t vector_count = p.batch * p.heads_q * tiles * vectors_per_tile;
-  const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum);
+  const int64_t chunks = p.batch * p.heads_q * tiles;
   const sm80::BshdShape q_shape = sm80::query_shape(p);
-  T* dq = static_cast<T*>(p.dq);
   typename Traits::TiledMmaDq mma_dq;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = first; v < vector_count; v += stride) {
-    const int64_t chunk = v / vectors_per_tile;
-    const int column_group = static_cast<int>(v % vectors_per_tile) / kDqStagingThreads;
-    const int thread = static_cast<int>(v % kDqStagingThreads);
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const int64_t m0 = chunk % tiles * kRows;
     const int64_t head = chunk / tiles % p.heads_q, batch = chunk / tiles / p.heads_q;
-    const int group = column_group / kGroupsPerConsumer;
-    const int i0 = column_group % kGroupsPerConsumer * kDqGroupFloats;  // first accumulator value of the group
-    Tensor coords = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    const float4 sum = accum4[v];
-    const float values[kDqGroupFloats] = {sum.x, sum.y, sum.z, sum.w};
-    CUTE_UNROLL
-    for (int k = 0; k < kDqGroupFloats; k += 2) {
-      const int64_t row = m0 + get<0>(coords(i0 + k));
-      const int col = group * kCols + get<1>(coords(i0 + k));
-      if (row >= p.seqlen_q) continue;
-      T* out = dq + q_shape.offset(batch, row, head) + col;
-      out[0] = T(values[k] * p.softmax_scale);
-      out[1] = T(values[k + 1] * p.softmax_scale);
+    const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum) + chunk * vectors_per_chunk;
+    T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
+    const int rows_in_bounds = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0));
+    for (int v = threadIdx.x; v < vectors_per_chunk; v += blockDim.x) {
+      const int column_group = v / kDqStagingThreads, thread = v % kDqStagingThreads;
+      const int group = column_group / kGroupsPerConsumer;
+      const int i0 = column_group % kGroupsPerConsumer * kDqGroupFloats;  // first accumulator value of the group
+      Tensor coords =
+          mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+      const float4 sum = accum4[v];
+      const float values[kDqGroupFloats] = {sum.x, sum.y, sum.z, sum.w};
+      CUTE_UNROLL
+      for (int k = 0; k < kDqGroupFloats; k += 2) {
+        const int row = get<0>(coords(i0 + k)), col = group * kCols + get<1>(coords(i0 + k));
+        if (row >= rows_in_bounds) continue;
+        // Even column, even head_dim, 16-byte aligned dq (dispatch.cu): the pair is one aligned 4-byte store.
+        *reinterpret_cast<Pair*>(dq + row * q_shape.row_stride() + col) =
+            Pair{T(values[k] * p.softmax_scale), T(values[k + 1] * p.softmax_scale)};
+      }
     }
   }
 }
