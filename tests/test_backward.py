@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
-from jax_flash import _registration
+from jax_flash import _ffi_calls, _registration
 from attention_cases import Case, assert_gradients_within_bound, feature_kwargs, grads
 
 GRAD_FEATURES = ("none", "causal", "window", "softcap", "alibi_batched_causal", "seqlens", "seqlens_causal",
@@ -95,15 +95,15 @@ def test_gradients_are_deterministic():
 
 
 def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
-    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with 64 < head_dim <= 128 gets a float32
-    dq_accum result (like q), which the CPU handler accepts and ignores: same gradients as without it.
-    Deterministic calls, the general variant (softcap here), head_dim <= 64 or > 128 and JAX_FLASH_FUSED_DQ=0 get
-    none;
-    a bad value is a clear error."""
+    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with 64 < head_dim <= 128 (64 <= once
+    _FUSED_DQ_MIN_HEAD_DIM is flipped) gets a float32 dq_accum result, [batch, heads_q, whole 64-row query tiles x
+    head_dim], which the CPU handler accepts and ignores: same gradients as without it. Deterministic calls, the
+    general variant (softcap here), head_dim < 64 (or 64) or > 128 and JAX_FLASH_FUSED_DQ=0 get none; a bad value is
+    a clear error."""
     case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
-    workspace = "tensor<1x50x4x72xf32>"
+    workspace = "tensor<1x4x4608xf32>"  # seqlen_q 50 rounded up to one 64-row tile, x 72
 
     def lowered(q=q, k=k, v=v, **kwargs):
         """The backward custom call's line of the lowered training step."""
@@ -115,9 +115,14 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     assert workspace in lowered()
     assert workspace not in lowered(deterministic=True)
     assert workspace not in lowered(softcap=5.0)
-    assert "x64xf32>" not in lowered(q[..., :64], k[..., :64], v[..., :64])
+    absent = "tensor<0xf32>"  # the placeholder result where no workspace is declared
+    assert absent in lowered(deterministic=True) and absent not in lowered()
+    narrow = lowered(q[..., :64], k[..., :64], v[..., :64])
+    fused_64 = _ffi_calls._FUSED_DQ_MIN_HEAD_DIM <= 64
+    assert ("tensor<1x4x4096xf32>" in narrow) == fused_64 and (absent in narrow) != fused_64
+    assert absent in lowered(q[..., :32], k[..., :32], v[..., :32])
     wide = [jnp.concatenate([x, x], axis=-1) for x in (q, k, v)]  # head_dim 144
-    assert "x144xf32>" not in lowered(*wide)
+    assert absent in lowered(*wide)
     with_workspace = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1")
     assert workspace in lowered()

@@ -66,8 +66,8 @@ constexpr int kDqConvertThreads = 256;
 
 // sm80's layout (like q): dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's
 // element type, grid-stride over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device
-// function so that each family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel instantiated in
-// translation units built for different architectures would be registered twice).
+// function so that each family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel
+// instantiated in translation units built for different architectures would be registered twice).
 template <class T>
 __device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) {
   const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;

@@ -12,8 +12,8 @@
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
 // and stages it in shared memory in fragment order; one thread of producer warp 2 adds the whole staged tile to its
-// chunk of the tile-major dq_accum with one bulk reduction (dq_staging.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
-// 5 GEMMs instead of 7.
+// chunk of the tile-major dq_accum with one bulk reduction (dq_staging.h), so the consumers issue no global
+// atomics. Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 #pragma once
 
 #include <cmath>
