@@ -133,3 +133,40 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "yes")
     with pytest.raises(ValueError, match="JAX_FLASH_FUSED_DQ"):
         grads(q, k, v, d_o)
+
+
+def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
+    """The handler checks the workspace against [*batch, heads_q, whole 64-row query tiles x head_dim] (the size both
+    GPU kernel families fit in), under vmap too; a raw call with q's shape instead names the buffer."""
+    from jax_flash._config import ScoreConfig
+
+    case = Case(batch=2, seqlen_q=70, seqlen_k=30, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
+    q, k, v = case.inputs()
+    masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
+             jnp.zeros((2, 0), jnp.uint32)]
+    attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=0.1))
+    stats = jax.ShapeDtypeStruct((2, 4, 70), jnp.float32)
+    o, lse = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats))(
+        q, k, v, *masks, *dense, **attributes)
+
+    def backward(workspace_shape):
+        call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
+            jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(workspace_shape, jnp.float32),
+            jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+        return jax.block_until_ready(call(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense,
+                                          **attributes, deterministic=False))
+
+    assert _ffi_calls.dq_workspace_shape(q) == (2, 4, 2 * 64 * 72)
+    dq, dk, dv = backward(_ffi_calls.dq_workspace_shape(q))[:3]
+    for got, want in zip((dq, dk, dv), backward((0,))[:3]):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    with pytest.raises(Exception, match="dq_accum"):
+        backward(q.shape)
+
+    # Under vmap the mapped axis is prepended to the workspace like to every result.
+    stacked = [jnp.stack([x, x]) for x in (q, k, v)]
+    vmapped = jax.vmap(lambda *a: grads(*a, jnp.ones_like(a[0])))(*stacked)
+    for got, want in zip(vmapped, grads(q, k, v, jnp.ones_like(q))):
+        np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
