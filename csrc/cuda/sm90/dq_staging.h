@@ -52,6 +52,26 @@ __host__ __device__ constexpr int dq_chunk_offset(int group, int thread, int i) 
          i % kDqGroupFloats;
 }
 
+// The inverse of dq_chunk_offset for the first float of a column group: which consumer, thread and first
+// accumulator value the float4 at `vector` (= offset / 4) of a chunk holds.
+struct DqChunkSlot {
+  int group, thread, first_value;
+};
+template <int kGroupsPerConsumer>
+__host__ __device__ constexpr DqChunkSlot dq_chunk_slot(int vector) {
+  const int column_group = vector / kDqStagingThreads;
+  return {column_group / kGroupsPerConsumer, vector % kDqStagingThreads,
+          column_group % kGroupsPerConsumer * kDqGroupFloats};
+}
+template <int kGroupsPerConsumer>
+constexpr bool dq_chunk_slot_inverts_offset(int vector) {
+  const DqChunkSlot slot = dq_chunk_slot<kGroupsPerConsumer>(vector);
+  return dq_chunk_offset<kGroupsPerConsumer>(slot.group, slot.thread, slot.first_value) == vector * kDqGroupFloats;
+}
+static_assert(dq_chunk_slot_inverts_offset<8>(0) && dq_chunk_slot_inverts_offset<8>(1234) &&
+              dq_chunk_slot_inverts_offset<8>(2047) && dq_chunk_slot_inverts_offset<4>(1023) &&
+              dq_chunk_slot_inverts_offset<4>(517));
+
 // Stores a consumer's dQ accumulator into the staged tile: one 16-byte store per column group.
 template <int kGroupsPerConsumer, class Acc>
 __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int group, int thread) {
@@ -118,16 +138,15 @@ __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) 
     T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
     const int rows_in_bounds = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0));
     for (int v = threadIdx.x; v < vectors_per_chunk; v += blockDim.x) {
-      const int column_group = v / kDqStagingThreads, thread = v % kDqStagingThreads;
-      const int group = column_group / kGroupsPerConsumer;
-      const int i0 = column_group % kGroupsPerConsumer * kDqGroupFloats;  // first accumulator value of the group
+      const DqChunkSlot slot = dq_chunk_slot<kGroupsPerConsumer>(v);
       Tensor coords =
-          mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+          mma_dq.get_thread_slice(slot.thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
       const float4 sum = accum4[v];
       const float values[kDqGroupFloats] = {sum.x, sum.y, sum.z, sum.w};
       CUTE_UNROLL
       for (int k = 0; k < kDqGroupFloats; k += 2) {
-        const int row = get<0>(coords(i0 + k)), col = group * kCols + get<1>(coords(i0 + k));
+        const int row = get<0>(coords(slot.first_value + k));
+        const int col = slot.group * kCols + get<1>(coords(slot.first_value + k));
         if (row >= rows_in_bounds) continue;
         // Even column, even head_dim, 16-byte aligned dq (dispatch.cu): the pair is one aligned 4-byte store.
         *reinterpret_cast<Pair*>(dq + row * q_shape.row_stride() + col) =
