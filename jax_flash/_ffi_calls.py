@@ -43,6 +43,7 @@ def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
 
 
 _LSE_DIMS = (0, 2, 1)  # lse [B, Hq, Sq] is sharded like q [B, Sq, Hq, D]'s dimensions 0, 2, 1
+_DQ_WORKSPACE_DIMS = (0, 2, 3)  # dq_accum [B, Hq, tiles * 64 * D] like q's batch, heads and head dim
 
 
 def _dense_arguments(dense: DenseOperands) -> tuple[jax.Array, ...]:
@@ -70,9 +71,9 @@ FUSED_DQ_ENV = "JAX_FLASH_FUSED_DQ"
 
 
 def fused_dq_requested() -> bool:
-    """Whether the backward may sum dQ inside its dK/dV pass (float32 reductions into a workspace shaped like
-    ``q``) instead of a separate dQ pass that recomputes S and dP. ``JAX_FLASH_FUSED_DQ`` (read when a backward
-    is traced): unset or ``1`` (the default: measured 4-8% faster on the H200 for both kernel families,
+    """Whether the backward may sum dQ inside its dK/dV pass (float32 reductions into a workspace, see
+    ``dq_workspace_shape``) instead of a separate dQ pass that recomputes S and dP. ``JAX_FLASH_FUSED_DQ`` (read
+    when a backward is traced): unset or ``1`` (the default: measured 4-8% faster on the H200 for both kernel families,
     benchmarks/NOTES.md), ``0`` for the separate pass.
     """
     value = os.environ.get(FUSED_DQ_ENV, "")
@@ -81,17 +82,36 @@ def fused_dq_requested() -> bool:
     return value != "0"
 
 
+# The one switch for fused dQ at head_dim 64: 65 keeps d=64 on the separate dQ pass (measured 0.67x fused when each
+# item took 64 bulk row reductions); set it to 64 once the Hopper one-reduction-per-item form measures faster than
+# the separate pass at d=64 (standalone --bench "bwd with dq_accum" vs "bwd", JAX_FLASH_BENCH_HEAD_DIMS=64).
+# sm80 then fuses d=64 too (never measured there).
+_FUSED_DQ_MIN_HEAD_DIM = 65
+
+# Query rows of one tile of the dq_accum workspace: csrc/common/dq_workspace.h kDqWorkspaceTileRows.
+_DQ_WORKSPACE_TILE_ROWS = 64
+
+
 def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
     """Whether a backward call gets the dq_accum workspace: only where the kernels use it, i.e. the common
     variant (no softcap, ALiBi, bias, boolean mask or dropout; the general variant forms dbias in its dQ pass) of a
     non-deterministic (the order of float adds is not reproducible) half-precision call (float32 has its own
-    kernels) with 64 < head_dim <= 128: where it measured faster (the d=128 kernels). At d=64 the Hopper fused form
-    measured 0.67x of the separate pass, the Hopper d=256 kernel has no fused form and sm80's d=256 gained nothing
-    (164 vs 162 TFLOP/s), so those keep the separate pass and get no workspace."""
+    kernels) with _FUSED_DQ_MIN_HEAD_DIM <= head_dim <= 128: where it measured faster (the d=128 kernels).
+    sm80's d=256 gained nothing (164 vs 162 TFLOP/s) and the Hopper backward has no d=256 fused form, so wider
+    head dims keep the separate pass and get no workspace."""
     general = (config.softcap > 0 or config.dropout_rate > 0 or masks.alibi_slopes.shape[-1] != 0
                or dense.has_bias or dense.mask.shape[-1] != 0)
     return (fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32 and not general
-            and 64 < q.shape[-1] <= 128)
+            and _FUSED_DQ_MIN_HEAD_DIM <= q.shape[-1] <= 128)
+
+
+def dq_workspace_shape(q: jax.Array) -> tuple[int, int, int]:
+    """``[B, Hq, ceil(Sq / 64) * 64 * D]`` float32 for ``q`` of shape ``[B, Sq, Hq, D]``: the dq_accum workspace
+    (csrc/common/dq_workspace.h). Its layout inside is the kernels' own (the Hopper kernels' is tile-major, whole
+    64-row query tiles; sm80's is q's, in its first ``B * Sq * Hq * D`` floats), so only its size matters here."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    tiles = -(-seqlen_q // _DQ_WORKSPACE_TILE_ROWS)
+    return (batch, heads_q, tiles * _DQ_WORKSPACE_TILE_ROWS * head_dim)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
@@ -113,7 +133,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
-        _result(q, q.shape, jnp.float32) if fused_dq else jax.ShapeDtypeStruct((0,), jnp.float32),
+        (_result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS) if fused_dq
+         else jax.ShapeDtypeStruct((0,), jnp.float32)),
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")

@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
-from jax_flash import _registration
+from jax_flash import _ffi_calls, _registration
 from attention_cases import Case, assert_gradients_within_bound, feature_kwargs, grads
 
 GRAD_FEATURES = ("none", "causal", "window", "softcap", "alibi_batched_causal", "seqlens", "seqlens_causal",
@@ -95,15 +95,15 @@ def test_gradients_are_deterministic():
 
 
 def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
-    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with 64 < head_dim <= 128 gets a float32
-    dq_accum result (like q), which the CPU handler accepts and ignores: same gradients as without it.
-    Deterministic calls, the general variant (softcap here), head_dim <= 64 or > 128 and JAX_FLASH_FUSED_DQ=0 get
-    none;
-    a bad value is a clear error."""
+    """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with 64 < head_dim <= 128 (64 <= once
+    _FUSED_DQ_MIN_HEAD_DIM is flipped) gets a float32 dq_accum result, [batch, heads_q, whole 64-row query tiles x
+    head_dim], which the CPU handler accepts and ignores: same gradients as without it. Deterministic calls, the
+    general variant (softcap here), head_dim < 64 (or 64) or > 128 and JAX_FLASH_FUSED_DQ=0 get none; a bad value is
+    a clear error."""
     case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
-    workspace = "tensor<1x50x4x72xf32>"
+    workspace = "tensor<1x4x4608xf32>"  # seqlen_q 50 rounded up to one 64-row tile, x 72
 
     def lowered(q=q, k=k, v=v, **kwargs):
         """The backward custom call's line of the lowered training step."""
@@ -115,9 +115,14 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     assert workspace in lowered()
     assert workspace not in lowered(deterministic=True)
     assert workspace not in lowered(softcap=5.0)
-    assert "x64xf32>" not in lowered(q[..., :64], k[..., :64], v[..., :64])
+    absent = "tensor<0xf32>"  # the placeholder result where no workspace is declared
+    assert absent in lowered(deterministic=True) and absent not in lowered()
+    narrow = lowered(q[..., :64], k[..., :64], v[..., :64])
+    fused_64 = _ffi_calls._FUSED_DQ_MIN_HEAD_DIM <= 64
+    assert ("tensor<1x4x4096xf32>" in narrow) == fused_64 and (absent in narrow) != fused_64
+    assert absent in lowered(q[..., :32], k[..., :32], v[..., :32])
     wide = [jnp.concatenate([x, x], axis=-1) for x in (q, k, v)]  # head_dim 144
-    assert "x144xf32>" not in lowered(*wide)
+    assert absent in lowered(*wide)
     with_workspace = [np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o)]
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1")
     assert workspace in lowered()
@@ -128,3 +133,40 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "yes")
     with pytest.raises(ValueError, match="JAX_FLASH_FUSED_DQ"):
         grads(q, k, v, d_o)
+
+
+def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
+    """The handler checks the workspace against [*batch, heads_q, whole 64-row query tiles x head_dim] (the size both
+    GPU kernel families fit in), under vmap too; a raw call with q's shape instead names the buffer."""
+    from jax_flash._config import ScoreConfig
+
+    case = Case(batch=2, seqlen_q=70, seqlen_k=30, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
+    q, k, v = case.inputs()
+    masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
+             jnp.zeros((2, 0), jnp.uint32)]
+    attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=0.1))
+    stats = jax.ShapeDtypeStruct((2, 4, 70), jnp.float32)
+    o, lse = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats))(
+        q, k, v, *masks, *dense, **attributes)
+
+    def backward(workspace_shape):
+        call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
+            jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(workspace_shape, jnp.float32),
+            jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+        return jax.block_until_ready(call(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense,
+                                          **attributes, deterministic=False))
+
+    assert _ffi_calls.dq_workspace_shape(q) == (2, 4, 2 * 64 * 72)
+    dq, dk, dv = backward(_ffi_calls.dq_workspace_shape(q))[:3]
+    for got, want in zip((dq, dk, dv), backward((0,))[:3]):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    with pytest.raises(Exception, match="dq_accum"):
+        backward(q.shape)
+
+    # Under vmap the mapped axis is prepended to the workspace like to every result.
+    stacked = [jnp.stack([x, x]) for x in (q, k, v)]
+    vmapped = jax.vmap(lambda *a: grads(*a, jnp.ones_like(a[0])))(*stacked)
+    for got, want in zip(vmapped, grads(q, k, v, jnp.ones_like(q))):
+        np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))

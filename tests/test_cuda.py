@@ -261,11 +261,16 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
-    loads and pairs that are not 8-byte aligned), d=256 (sm80 fuses nothing there either: no workspace). softcap
-    takes the general variant, which always has its dQ pass; head_dim <= 64 and > 128 get no workspace
-    (jax_flash/_ffi_calls.py), so both modes run that pass."""
+    loads and pairs that are not 8-byte aligned), d=256 (no workspace). softcap takes the general variant, which always
+    has its dQ pass; head_dim < 64 and > 128 get no workspace (jax_flash/_ffi_calls.py), so both modes run that
+    pass.
+    Fused here includes head_dim 64 (_FUSED_DQ_MIN_HEAD_DIM lowered to 64) although the default keeps d=64 on the
+    separate pass until measured, so that the d=64 fused forms stay tested."""
+    from jax_flash import _ffi_calls
+
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
+    monkeypatch.setattr(_ffi_calls, "_FUSED_DQ_MIN_HEAD_DIM", 64)
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=head_dim + len(feature))
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
@@ -482,7 +487,8 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
     o, lse = forward(q, k, v, *masks, *dense, **attributes)
     backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(v.shape, v.dtype), stats,
+        jax.ShapeDtypeStruct(_ffi_calls.dq_workspace_shape(q), jnp.float32),
         jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
     dq, dk, dv, _, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
                                 deterministic=False)

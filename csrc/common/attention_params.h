@@ -89,9 +89,10 @@ struct AttentionBackwardParams : AttentionParams {
   void* dv = nullptr;              // like v
   // Workspace, allocated by XLA as an extra result of the call (never the FFI scratch allocator).
   float* softmax_d = nullptr;      // [batch, heads_q, seqlen_q] float32: rowsum(dO * O) - dlse
-  // [batch, seqlen_q, heads_q, head_dim] float32 (like q): dQ summed over key tiles by atomic adds, where a
-  // kernel family fuses dQ into its dK/dV pass (sm90); nullptr when the call passed none (deterministic calls,
-  // float32 inputs), and then dQ has a pass of its own.
+  // float32, dq_workspace_elements() of common/dq_workspace.h (layout private to each kernel family): dQ summed over
+  // key tiles by reductions in L2, where a kernel family fuses dQ into its dK/dV pass; nullptr when the call passed
+  // none (deterministic calls, float32 inputs, head dims where fusing does not pay), and then dQ has a pass of its
+  // own.
   float* dq_accum = nullptr;
   float* dbias = nullptr;          // like bias (same strides), float32; nullptr when not wanted
   bool deterministic = false;      // bit-reproducible gradients

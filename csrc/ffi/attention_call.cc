@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/dq_workspace.h"
 #include "buffer_checks.h"
 
 namespace jax_flash::ffi_boundary {
@@ -141,11 +142,12 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
   JF_RETURN_IF_ERROR(
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
-  // dq_accum: absent when empty, else a float32 twin of q.
+  // dq_accum: absent when empty, else the float32 workspace [*batch, heads_q, per head] (common/dq_workspace.h: its
+  // layout inside belongs to the kernel family that runs; the size fits every family).
   const bool wants_dq_accum = out.dq_accum.element_count() > 0;
   if (wants_dq_accum) {
-    JF_RETURN_IF_ERROR(
-        expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
+    JF_RETURN_IF_ERROR(expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch,
+                                     {p->heads_q, dq_workspace_per_head(p->seqlen_q, p->head_dim)}));
   }
   // dbias: the bias's shape when the caller differentiates with respect to the bias, else a placeholder.
   const std::vector<int64_t> vmap_dims(batch.begin(), batch.end() - 1);

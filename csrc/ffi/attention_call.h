@@ -50,7 +50,7 @@ struct BackwardOperands {
 };
 struct BackwardResults {
   ffi::AnyBuffer dq, dk, dv, softmax_d;
-  ffi::AnyBuffer dq_accum;  // like q but float32, or empty (no fused dQ accumulation)
+  ffi::AnyBuffer dq_accum;  // float32 [*batch, heads_q, per head] (common/dq_workspace.h), or empty (no fused dQ)
   ffi::AnyBuffer dbias;  // like the bias operand (float32), or [*vmap, 1, 1, 1, 0] when not wanted
 };
 

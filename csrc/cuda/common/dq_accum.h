@@ -1,7 +1,9 @@
-// dQ summed in a float32 workspace (AttentionBackwardParams::dq_accum, laid out like q), shared by the sm80 and
-// sm90 backward: a fused dK/dV pass adds each (query tile, key tile) item's dS K to it with reductions in L2,
-// then one elementwise pass scales and converts it into dq. Sums of float adds in whatever order the CTAs
+// dQ summed in a float32 workspace (AttentionBackwardParams::dq_accum; its size: common/dq_workspace.h), shared by
+// the sm80 and sm90 backward: a fused dK/dV pass adds each (query tile, key tile) item's dS K to it with
+// reductions in L2, then one pass scales and converts it into dq. Sums of float adds in whatever order the CTAs
 // arrive: not bit-reproducible, so deterministic calls keep each family's separate dQ pass.
+// Layout per family: sm80 adds into it laid out like q (add_dq_tile, dq_from_accum below: the first
+// batch * seqlen_q * heads_q * head_dim floats); sm90 into whole query tiles in fragment order (sm90/dq_staging.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -62,10 +64,10 @@ __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, co
 
 constexpr int kDqConvertThreads = 256;
 
-// dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's element type, grid-stride
-// over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device function so that each
-// family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel instantiated in
-// translation units built for different architectures would be registered twice).
+// sm80's layout (like q): dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's
+// element type, grid-stride over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device
+// function so that each family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel
+// instantiated in translation units built for different architectures would be registered twice).
 template <class T>
 __device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) {
   const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
@@ -85,17 +87,19 @@ __device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) 
   for (int64_t i = 4 * vector_count + first; i < count; i += stride) dq[i] = T(p.dq_accum[i] * p.softmax_scale);
 }
 
-// The dQ part of a fused backward, after softmax_d: zero the workspace, run the family's fused dK/dV pass
-// (launch_fused_dkdv(), which adds into it), then its conversion kernel (a wrapper of dq_from_accum).
+// The dQ part of a fused backward, after softmax_d: zero the first `count` floats of the workspace (what the family's
+// layout uses), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds into it), then its conversion
+// kernel of kDqConvertThreads threads (dq_from_accum or sm90's dq_from_tiles; both grid-stride, so the grid is
+// `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
 template <class LaunchFusedDkdv>
-std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, LaunchFusedDkdv launch_fused_dkdv,
-                         void (*convert_kernel)(const AttentionBackwardParams), const char* family) {
-  const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, int64_t count,
+                         LaunchFusedDkdv launch_fused_dkdv, void (*convert_kernel)(const AttentionBackwardParams),
+                         int64_t convert_blocks, const char* family) {
   if (cudaMemsetAsync(p.dq_accum, 0, count * sizeof(float), stream) != cudaSuccess) {
     return sm80::last_launch_error((std::string(family) + " backward: zeroing dq_accum").c_str());
   }
   if (std::string err = launch_fused_dkdv(); !err.empty()) return err;
-  const int64_t blocks = std::min<int64_t>(ceil_div(count, 4 * kDqConvertThreads), 65536);
+  const int64_t blocks = std::min<int64_t>(convert_blocks, 65536);
   if (blocks == 0) return {};
   convert_kernel<<<static_cast<unsigned>(blocks), kDqConvertThreads, 0, stream>>>(p);
   return sm80::last_launch_error((std::string(family) + " dQ conversion kernel launch").c_str());

@@ -11,9 +11,9 @@
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
-// and stages it in shared memory; producer warp 2 adds the staged tile to dq_accum row by row with bulk
-// reductions (dq_staging.h), so the consumers issue no global atomics. Then no separate dQ pass recomputes S and dP:
-// 5 GEMMs instead of 7.
+// and stages it in shared memory in fragment order; one thread of producer warp 2 adds the whole staged tile to its
+// chunk of the tile-major dq_accum with one bulk reduction (dq_staging.h), so the consumers issue no global
+// atomics. Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 // At d=256 (DkdvSplitTraits) the same producer and kernel entry drive the split-head-dim consumers of
 // backward_dkdv_split_consumer.h instead (no fused dQ there).
 #pragma once
@@ -120,21 +120,22 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   }
 }
 
-// Producer warp 2 (fused dQ): each item's staged dQ tile into dq_accum, then the tile back to the consumers.
+// Producer warp 2 (fused dQ), lane 0 issuing: each item's staged dQ tile into its dq_accum chunk (one bulk
+// reduction), then the tile back to the consumers once the reduction has read it.
 template <class Traits>
 __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                typename Traits::SharedStorage& smem) {
   const int lane = threadIdx.x % 32;
   for (int item = 0; item < kb.items; ++item) {
     cutlass::arch::ClusterBarrier::wait(&smem.dq_full, item & 1);
-    const int64_t m0 = int64_t(kb.m_block(item)) * Traits::kBlockM;
-    const int rows = static_cast<int>(min(int64_t(Traits::kBlockM), p.seqlen_q - m0));
-    reduce_dq_rows<Traits::kDqRowFloats>(p, smem.dq, kb.batch, kb.head(item), m0, rows, lane);
-    bulk_wait_read();
+    if (lane == 0) {
+      reduce_dq_tile(p, smem.dq, kb.batch, kb.head(item), kb.m_block(item));
+      bulk_wait_read();
+      cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
+    }
     __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
   }
-  bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
+  if (lane == 0) bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
 }
 
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
@@ -184,11 +185,12 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
   constexpr int kDqCols = Traits::kDqCols;
   typename Traits::TiledMmaDq mma_dq;
+  static_assert(!kFusedDq ||
+                dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kBlockM, kDqCols>());  // staged order
   auto thr_dq = mma_dq.get_thread_slice(thread % 128);
   Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
   Tensor frag_kt = thr_dq.partition_fragment_B(
       local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(group, 0)));
-  Tensor dq_coords = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
@@ -235,7 +237,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       warpgroup_wait<0>();
       // The staged tile is free again once the writer's reductions of the previous item have read it.
       if (item > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (item - 1) & 1);
-      stage_dq_tile<Traits::kDqRowFloats>(smem.dq, acc_dq, dq_coords, group * kDqCols);
+      stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, group, thread % 128);
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the bulk copies (async proxy) read
       cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
     } else {

@@ -3,19 +3,22 @@
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
 //   2. dK/dV pass (backward_dkdv_kernel.h; at d=256 with backward_dkdv_split_consumer.h), one CTA per key tile
 //      and KV head
-//   3. with a dq_accum workspace (the default, jax_flash/_ffi_calls.py; never for deterministic calls,
-//      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=128): dQ was summed into it by step 2 (zeroed
-//      first); one elementwise pass scales and converts it (common/dq_accum.h). Otherwise the dQ pass
-//      (backward_dq_kernel.h), one CTA per query tile and head, recomputes S and dP: no atomics anywhere,
-//      bit-reproducible. Fused is the default since its dQ tile went through shared memory and bulk reductions
-//      (dq_staging.h): d=128 4k on the H200 449 vs 421 TFLOP/s, causal 388 vs 359 (benchmarks/NOTES.md).
+//   3. with a dq_accum workspace (the default where jax_flash/_ffi_calls.py declares it; never for deterministic
+//      calls, JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=64, d=128): dQ was summed into it by step 2
+//      (zeroed first), one bulk reduction per item into its tile-major layout; one pass scales and converts it
+//      (dq_staging.h dq_from_tiles). Otherwise the dQ pass (backward_dq_kernel.h), one CTA per query tile and head,
+//      recomputes S and dP: no atomics anywhere, bit-reproducible. Fused is the default at d=128 since its dQ tile
+//      went through shared memory and bulk reductions: d=128 4k on the H200 449 vs 421 TFLOP/s, causal 388 vs 359
+//      with one reduction per row (benchmarks/NOTES.md).
 // The dispatcher routes here only calls of the common variant with head_dim % 8 == 0, 16-byte aligned operands
 // and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "../../common/attention_params.h"
+#include "../../common/dq_workspace.h"
 #include "../common/block_range.h"
 #include "../common/dq_accum.h"
 #include "../sm80/backward_row_kernels.h"
@@ -23,6 +26,7 @@
 #include "backward_dkdv_kernel.h"
 #include "backward_dq_kernel.h"
 #include "backward_traits.h"
+#include "dq_staging.h"
 #include "forward_launch.h"  // bshd_tensor
 
 namespace jax_flash::cuda::sm90 {
@@ -32,9 +36,9 @@ __global__ void __launch_bounds__(sm80::kRowKernelWarps * 32) softmax_d_kernel(c
   sm80::softmax_d_rows<T>(p);
 }
 
-template <class T>
-__global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const AttentionBackwardParams p) {
-  dq_from_accum<T>(p);
+template <class Traits>
+__global__ void __launch_bounds__(kDqConvertThreads) dq_from_tiles_kernel(const AttentionBackwardParams p) {
+  dq_from_tiles<Traits>(p);
 }
 
 // The four TMA descriptors of a backward kernel: Q and dO tiles of TmaQ's box, K and V tiles of TmaKV's box.
@@ -103,10 +107,13 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
   if constexpr (has_fused_dq(kHeadDim)) {
-    if (p.dq_accum != nullptr && !p.deterministic) {
+    // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.
+    if (p.dq_accum != nullptr && !p.deterministic && reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0) {
+      const int64_t chunks = p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);  // one CTA each
       return run_fused_dq(
-          p, stream, [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); }, dq_from_accum_kernel<Element>,
-          "sm90");
+          p, stream, dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim),
+          [&] { return launch_dkdv<kHeadDim, Element, true>(p, stream); },
+          dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>, chunks, "sm90");
     }
   }
   if (std::string err = launch_dkdv<kHeadDim, Element, false>(p, stream); !err.empty()) return err;

@@ -9,6 +9,7 @@
 
 #include <type_traits>
 
+#include "../../common/dq_workspace.h"
 #include "kernel_traits.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -58,11 +59,13 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
 }
 
 constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
-// Whether the dK/dV pass may also sum dQ into the dq_accum workspace (the fused dQ); otherwise the launcher runs
-// the separate dQ pass whatever the call gives. d=64 fused measured far slower through JAX on the H200 (4k: 242 vs
-// 359 TFLOP/s; half the GEMM work per item against the same 64 bulk row reductions), d=128 faster (452 vs 414);
-// the d=256 split kernel has no fused form (no shared memory left for the staged dQ tile).
-constexpr bool has_fused_dq(int head_dim) { return head_dim == 128; }
+// Whether the dK/dV kernel of this head dim has the fused-dQ form: with a dq_accum workspace (which the Python side
+// declares only where fusing measured faster: jax_flash/_ffi_calls.py _uses_fused_dq) it sums dQ there instead of
+// the launcher running the separate dQ pass. Never d=256 (the split kernel has no shared memory left for the staged
+// tile). d=128 measured faster (452 vs 414 TFLOP/s); d=64 lost (4k: 242 vs 359) when each item took 64 bulk row
+// reductions, and is here again for measurement now that an item is one bulk reduction (the Python switch keeps it
+// off until then).
+constexpr bool has_fused_dq(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
@@ -134,9 +137,10 @@ struct DkdvTraits {
   using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   using SmemLayoutDsT = decltype(transposed_stages(SmemLayoutDs{}));  // (key, query, buffer)
-  // The dQ tile staged for the bulk reductions (dq_staging.h): rows of head_dim floats, padded by 8 (32 bytes) so the
-  // consumers' fragment stores meet no bank conflicts and every row starts 16-byte aligned.
-  static constexpr int kDqRowFloats = kHeadDim + 8;
+  // The dQ tile staged for its one bulk reduction, in fragment order (dq_staging.h): kBlockM x kHeadDim floats, no
+  // padding; its rows are the workspace's tile rows.
+  static constexpr int kDqGroupsPerConsumer = kDqCols / 8;
+  static_assert(kBlockM == kDqWorkspaceTileRows && kDqCols % 8 == 0);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;   // Q and dO tiles, one barrier per stage for both
   using StatsPipeline = cutlass::PipelineAsync<kStages>;  // lse / softmax_d of the same tiles, filled by a warp
@@ -150,14 +154,14 @@ struct DkdvTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
     cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;  // fused dQ only
-    alignas(128) float dq[kBlockM * kDqRowFloats];                  // fused dQ only
+    alignas(128) float dq[kBlockM * kHeadDim];                      // fused dQ only
     float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
     float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
     alignas(8) uint64_t dq_full;   // fused dQ: every consumer thread staged its part of an item's dQ tile
-    alignas(8) uint64_t dq_empty;  // fused dQ: the writer warp's bulk reductions have read the staged tile
+    alignas(8) uint64_t dq_empty;  // fused dQ: the writer's bulk reduction has read the staged tile
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);

@@ -1,5 +1,19 @@
-// The sm90 fused dK/dV pass's way into the float32 dQ workspace (common/dq_accum.h has the workspace, its
-// conversion into dq and why deterministic calls do not use it): a staged shared tile and bulk reductions.
+// The sm90 fused dK/dV pass's way into the float32 dQ workspace (common/dq_accum.h has the zero/fuse/convert
+// sequence and why deterministic calls do not use it; common/dq_workspace.h its size): a staged shared tile, one
+// bulk reduction per item, and the conversion that undoes the tile order.
+//
+// Workspace layout (sm90 only; sm80 keeps q's): [batch, heads_q, query tile, chunk], a chunk being one item's
+// 64 x head_dim dQ tile in fragment order:
+//   [column group of 8 (head_dim / 8 of them)][consumer thread 0..127][4 floats],
+// the 4 floats being what that thread's WGMMA accumulator holds in those 8 columns (fragment indices 4j..4j+3 of
+// a consumer whose column slice starts at group g * kGroupsPerConsumer, j = column group - that). So:
+//  - each consumer thread stores 16 contiguous bytes per column group, thread-linear: no bank conflicts, no padding;
+//  - the column groups of [0, head_dim) are a prefix of the staged tile (head_dim is a multiple of 8 here), so
+//    one cp.reduce.async.bulk of 64 * head_dim floats adds the whole item, even when a smaller head_dim runs on a
+//    wider kernel (zero columns past head_dim are neither added nor stored);
+//  - rows past seqlen_q of the last tile are summed into the chunk and never converted.
+// The conversion maps a chunk position back to (row, column) by partitioning an identity tensor with the
+// consumers' own TiledMma and thread index, so the two cannot drift apart.
 #pragma once
 
 #include <cstdint>
@@ -7,22 +21,65 @@
 #include <cute/tensor.hpp>
 
 #include "../../common/attention_params.h"
+#include "../../common/dq_workspace.h"
 #include "../sm80/tensor_offsets.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// Consumers store their dQ tile into shared memory (padded rows); one warp adds each row to dq_accum with a bulk
-// reduction (cp.reduce.async.bulk, an async-proxy copy that adds in L2), so no consumer thread issues a global
-// atomic (per-element red.global.add from the consumers measured 15% slower than the separate dQ pass).
+constexpr int kDqGroupColumns = 8;      // columns per column group
+constexpr int kDqGroupFloats = 4;       // floats a consumer thread holds per column group
+constexpr int kDqStagingThreads = 128;  // threads of one consumer warpgroup
 
-// Stores a consumer's accumulator into the staged tile: row r, column col0 + c at tile[r * kRowFloats + col0 + c].
-// With kRowFloats = head_dim + 8, a half-warp's 8-byte stores (4 rows x 4 column pairs) hit 32 distinct banks.
-template <int kRowFloats, class Acc, class Coords>
-__device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, const Coords& coords, int col0) {
+// Whether a consumer's TiledMma is one WGMMA atom covering its whole kRows x kCols slice, with the WGMMA accumulator
+// layout: per thread, values (2 adjacent columns) x (rows r, r + 8) x (kCols / 8 column groups), so that values
+// 4j..4j+3 lie in column group j and values 2k, 2k + 1 are adjacent columns of one row. That is what the staged
+// order and the conversion's paired stores assume (the conversion takes the actual coordinates from the
+// TiledMma). Checked on the types: evaluating the layout for every (thread, value) is past what nvcc folds.
+template <class TiledMma, int kRows, int kCols>
+constexpr bool dq_fragments_are_column_grouped() {
+  using AtomShape = typename TiledMma::AtomShape_MNK;
+  return cute::is_same_v<typename TiledMma::AtomLayoutC_TV, cute::GMMA::CLayout_64xN<kCols>> &&
+         kRows == 64 && int(cute::size<0>(AtomShape{})) == kRows && int(cute::size<1>(AtomShape{})) == kCols &&
+         int(cute::size(TiledMma{})) == kDqStagingThreads &&
+         int(cute::tile_size<0>(TiledMma{})) == kRows && int(cute::tile_size<1>(TiledMma{})) == kCols;
+}
+
+// Float offset in the staged tile (and in the workspace chunk) of accumulator value i of consumer `group`'s thread
+// `thread`, the consumer's slice holding kGroupsPerConsumer column groups.
+template <int kGroupsPerConsumer>
+__host__ __device__ constexpr int dq_chunk_offset(int group, int thread, int i) {
+  return ((group * kGroupsPerConsumer + i / kDqGroupFloats) * kDqStagingThreads + thread) * kDqGroupFloats +
+         i % kDqGroupFloats;
+}
+
+// The inverse of dq_chunk_offset for the first float of a column group: which consumer, thread and first
+// accumulator value the float4 at `vector` (= offset / 4) of a chunk holds.
+struct DqChunkSlot {
+  int group, thread, first_value;
+};
+template <int kGroupsPerConsumer>
+__host__ __device__ constexpr DqChunkSlot dq_chunk_slot(int vector) {
+  const int column_group = vector / kDqStagingThreads;
+  return {column_group / kGroupsPerConsumer, vector % kDqStagingThreads,
+          column_group % kGroupsPerConsumer * kDqGroupFloats};
+}
+template <int kGroupsPerConsumer>
+constexpr bool dq_chunk_slot_inverts_offset(int vector) {
+  const DqChunkSlot slot = dq_chunk_slot<kGroupsPerConsumer>(vector);
+  return dq_chunk_offset<kGroupsPerConsumer>(slot.group, slot.thread, slot.first_value) == vector * kDqGroupFloats;
+}
+static_assert(dq_chunk_slot_inverts_offset<8>(0) && dq_chunk_slot_inverts_offset<8>(1234) &&
+              dq_chunk_slot_inverts_offset<8>(2047) && dq_chunk_slot_inverts_offset<4>(1023) &&
+              dq_chunk_slot_inverts_offset<4>(517));
+
+// Stores a consumer's dQ accumulator into the staged tile: one 16-byte store per column group.
+template <int kGroupsPerConsumer, class Acc>
+__device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int group, int thread) {
+  static_assert(cute::size(Acc{}) == kGroupsPerConsumer * kDqGroupFloats);
   CUTE_UNROLL
-  for (int i = 0; i < cute::size(acc); i += 2) {
-    const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
-    *reinterpret_cast<float2*>(tile + row * kRowFloats + col0 + col) = make_float2(acc(i), acc(i + 1));
+  for (int i = 0; i < cute::size(acc); i += kDqGroupFloats) {
+    *reinterpret_cast<float4*>(tile + dq_chunk_offset<kGroupsPerConsumer>(group, thread, i)) =
+        make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
   }
 }
 
@@ -39,16 +96,64 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // Every committed bulk group of this thread is complete (its global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// One warp: rows [0, rows) of the staged tile (kRowFloats apart) added to dq_accum rows m0 + r of query head
-// `head`, head_dim floats each (a multiple of 8 here: 16-byte aligned rows of 16-byte multiples).
-template <int kRowFloats>
-__device__ __forceinline__ void reduce_dq_rows(const AttentionBackwardParams& p, const float* tile, int64_t batch,
-                                               int64_t head, int64_t m0, int rows, int lane) {
-  const sm80::BshdShape q_shape = sm80::query_shape(p);
-  float* first = p.dq_accum + q_shape.offset(batch, m0, head);
-  const int bytes = static_cast<int>(p.head_dim) * 4;
-  for (int r = lane; r < rows; r += 32) bulk_reduce_add(first + r * q_shape.row_stride(), tile + r * kRowFloats, bytes);
+// The workspace chunk of query tile m_block of query head `head`: 64 * head_dim floats, 16-byte aligned when the
+// workspace is (head_dim is a multiple of 8, so a chunk is a multiple of 2 KiB).
+__device__ __forceinline__ float* dq_workspace_chunk(const AttentionBackwardParams& p, int64_t batch, int64_t head,
+                                                     int64_t m_block) {
+  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
+  return p.dq_accum + ((batch * p.heads_q + head) * tiles + m_block) * kDqWorkspaceTileRows * p.head_dim;
+}
+
+// One thread: the staged tile's column groups of [0, head_dim) added to the item's chunk with ONE bulk reduction
+// (at most 64 * 128 * 4 = 32 KiB), committed as its own bulk group.
+__device__ __forceinline__ void reduce_dq_tile(const AttentionBackwardParams& p, const float* tile, int64_t batch,
+                                               int64_t head, int64_t m_block) {
+  const int bytes = static_cast<int>(kDqWorkspaceTileRows * p.head_dim * 4);
+  bulk_reduce_add(dq_workspace_chunk(p, batch, head, m_block), tile, bytes);
   bulk_commit();
+}
+
+// dq = dq_accum * softmax_scale from the tile-major workspace: CTAs stride over the chunks (query tiles), their
+// threads over a chunk's float4s, each one column group of one consumer thread (coalesced reads), mapped back to
+// (row, column) by partitioning an identity tensor with the consumers' TiledMmaDq and thread index, stored as two
+// pairs of adjacent columns. Rows past seqlen_q are skipped. A device function: the family's kernel wraps it.
+template <class Traits>
+__device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  struct alignas(2 * sizeof(T)) Pair { T first, second; };
+  constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols;
+  constexpr int kGroupsPerConsumer = kCols / kDqGroupColumns;
+  static_assert(kRows == kDqWorkspaceTileRows);
+  static_assert(dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kRows, kCols>());
+  const int vectors_per_chunk = static_cast<int>(p.head_dim / kDqGroupColumns) * kDqStagingThreads;
+  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
+  const int64_t chunks = p.batch * p.heads_q * tiles;
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  typename Traits::TiledMmaDq mma_dq;
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int64_t m0 = chunk % tiles * kRows;
+    const int64_t head = chunk / tiles % p.heads_q, batch = chunk / tiles / p.heads_q;
+    const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum) + chunk * vectors_per_chunk;
+    T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
+    const int rows_in_bounds = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0));
+    for (int v = threadIdx.x; v < vectors_per_chunk; v += blockDim.x) {
+      const DqChunkSlot slot = dq_chunk_slot<kGroupsPerConsumer>(v);
+      Tensor coords =
+          mma_dq.get_thread_slice(slot.thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+      const float4 sum = accum4[v];
+      const float values[kDqGroupFloats] = {sum.x, sum.y, sum.z, sum.w};
+      CUTE_UNROLL
+      for (int k = 0; k < kDqGroupFloats; k += 2) {
+        const int row = get<0>(coords(slot.first_value + k));
+        const int col = slot.group * kCols + get<1>(coords(slot.first_value + k));
+        if (row >= rows_in_bounds) continue;
+        // Even column, even head_dim, 16-byte aligned dq (dispatch.cu): the pair is one aligned 4-byte store.
+        *reinterpret_cast<Pair*>(dq + row * q_shape.row_stride() + col) =
+            Pair{T(values[k] * p.softmax_scale), T(values[k + 1] * p.softmax_scale)};
+      }
+    }
+  }
 }
 
 }  // namespace jax_flash::cuda::sm90

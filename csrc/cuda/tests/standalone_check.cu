@@ -2,7 +2,8 @@
 // Fresh random inputs per case, outputs poisoned with NaN before each call, every feature of the score pipeline.
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
-//   standalone_check --bench    time fwd/bwd at d=128 and d=256, 16k tokens, seqlen 4k (CUDA events)
+//   standalone_check --bench    time fwd/bwd at d=128 and d=256, 16k tokens, seqlen 4k (CUDA events); other
+//                               head dims with JAX_FLASH_BENCH_HEAD_DIMS (e.g. "64 128")
 //   standalone_check --bench-persistent
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
@@ -21,6 +22,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/dq_workspace.h"
 #include "../../common/mask_blocks.h"
 #include "../../common/philox.h"
 #include "../../common/score_pipeline.h"
@@ -486,7 +489,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
     p.dv = poisoned<uint16_t>(nk);
     p.softmax_d = poisoned<float>(nstat);
     // Poisoned: the fused-dQ path must zero it itself; deterministic calls must leave it alone.
-    p.dq_accum = poisoned<float>(nq);
+    p.dq_accum = poisoned<float>(jax_flash::dq_workspace_elements(B, Sq, Hq, D));
     err = jax_flash::cuda::run_backward(p, nullptr);
     if (!err.empty()) {
       std::printf("    run_backward: %s  FAIL\n", err.c_str());
@@ -729,23 +732,19 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
     o_diff = std::max(o_diff, double(std::fabs(diff)));
   }
   for (size_t i = 0; i < nstat; ++i) lse_diff = std::max(lse_diff, double(std::fabs(lse[0][i] - lse[1][i])));
-  std::printf("bench d=128 seqlen=4096 b=4 h=16 padding_mask=1 fwd: JAX_FLASH_SM90_DENSE=0 %.3f ms %.1f TFLOP/s, "
+  std::printf("bench d=%lld seqlen=4096 b=4 h=16 padding_mask=1 fwd: JAX_FLASH_SM90_DENSE=0 %.3f ms %.1f TFLOP/s, "
               "JAX_FLASH_SM90_DENSE=1 %.3f ms %.1f TFLOP/s (x%.2f); max |dO| %.2e, max |dlse| %.2e\n",
-              ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[0] / ms[1], o_diff, lse_diff);
+              (long long)p.head_dim, ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[0] / ms[1], o_diff,
+              lse_diff);
 }
 
-// fwd/bwd TFLOP/s at seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: d=128 causal or not, and non-causal
+// fwd/bwd TFLOP/s at head dim D, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
 // with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
-// FLOPs are counted as without it); d=256 causal or not.
-void bench() {
-  struct Row {
-    int64_t head_dim;
-    bool causal, padding_mask;
-  };
-  for (const Row row : {Row{128, false, false}, Row{128, true, false}, Row{128, false, true}, Row{256, false, false},
-                        Row{256, true, false}}) {
-    const bool causal = row.causal, padding_mask = row.padding_mask;
-    const int64_t B = 4, S = 4096, H = 16, D = row.head_dim;
+// FLOPs are counted as without it).
+void bench(int64_t D) {
+  for (int row = 0; row < 3; ++row) {
+    const bool causal = row == 1, padding_mask = row == 2;
+    const int64_t B = 4, S = 4096, H = 16;
     const size_t n = B * S * H * D;
     AttentionBackwardParams p = square_bf16_problem<AttentionBackwardParams>(B, S, H, D, causal);
     std::mt19937 rng(1);
@@ -761,7 +760,7 @@ void bench() {
     p.lse = poisoned<float>(B * H * S);
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
-    p.dq_accum = poisoned<float>(n);
+    p.dq_accum = poisoned<float>(jax_flash::dq_workspace_elements(B, S, H, D));
     std::vector<uint8_t> mask;
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
@@ -900,7 +899,15 @@ int main(int argc, char** argv) {
   if (bench_only) {
     const char* backward = std::getenv("JAX_FLASH_CUDA_KERNEL_BACKWARD");
     std::printf("backward family: JAX_FLASH_CUDA_KERNEL_BACKWARD=%s\n", backward ? backward : "(unset: auto)");
-    bench();
+    // JAX_FLASH_BENCH_HEAD_DIMS: the head dims to time, e.g. "64 128" (default "128 256").
+    const char* head_dims = std::getenv("JAX_FLASH_BENCH_HEAD_DIMS");
+    std::string list = head_dims && *head_dims ? head_dims : "128 256";
+    for (char& ch : list) ch = ch == ',' ? ' ' : ch;
+    for (size_t at = 0; at < list.size();) {
+      const size_t end = std::min(list.find(' ', at), list.size());
+      if (end > at) bench(std::stoll(list.substr(at, end - at)));
+      at = end + 1;
+    }
     return 0;
   }
   std::mt19937 rng(12345);

@@ -1,0 +1,32 @@
+// The size of the float32 dq_accum workspace of a fused-dQ backward (AttentionBackwardParams::dq_accum), in one
+// place for the Python side's declaration (jax_flash/_ffi_calls.py mirrors it), the FFI check, the launchers and
+// the standalone check. The layout inside is private to each kernel family:
+//   sm90: tile-major, [batch, heads_q, query tile, the tile's 64 x head_dim floats in the order the consumers'
+//         WGMMA fragments are staged] (sm90/dq_staging.h), so that one bulk reduction adds a whole tile;
+//   sm80: like q, [batch, seqlen_q, heads_q, head_dim] (common/dq_accum.h), in the first part of the buffer.
+// The declared shape [*batch, heads_q, per_head] fits both: the sm90 layout rounds seqlen_q up to whole tiles,
+// so it is never smaller than q.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash {
+
+// Query rows of one workspace tile: the sm90 dK/dV kernel's query tile (sm90/backward_traits.h asserts they agree).
+constexpr int64_t kDqWorkspaceTileRows = 64;
+
+constexpr int64_t dq_workspace_query_tiles(int64_t seqlen_q) {
+  return (seqlen_q + kDqWorkspaceTileRows - 1) / kDqWorkspaceTileRows;
+}
+
+// Floats per (batch row, query head): the last axis of the declared shape.
+constexpr int64_t dq_workspace_per_head(int64_t seqlen_q, int64_t head_dim) {
+  return dq_workspace_query_tiles(seqlen_q) * kDqWorkspaceTileRows * head_dim;
+}
+
+// Floats of the whole workspace; `batch` is every leading axis folded together.
+constexpr int64_t dq_workspace_elements(int64_t batch, int64_t seqlen_q, int64_t heads_q, int64_t head_dim) {
+  return batch * heads_q * dq_workspace_per_head(seqlen_q, head_dim);
+}
+
+}  // namespace jax_flash
