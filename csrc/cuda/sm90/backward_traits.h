@@ -2,9 +2,11 @@
 // are a producer warpgroup (TMA) plus consumer warpgroups of 64 rows each along the M of every GEMM:
 //   dK/dV kernel: M = keys (resident), streams (Q, dO) tiles of block_m query rows;
 //   dQ kernel:    M = query rows (resident), streams (K, V) tiles of block_n keys.
-// Only the common variant exists (no softcap/ALiBi/bias/mask/dropout: those calls run the sm80 backward).
+// Two kernel forms share these traits (backward_form.h): common, and transforms (softcap/ALiBi); bias, mask and
+// dropout calls run the sm80 backward.
 #pragma once
 
+#include "backward_form.h"
 #include "kernel_traits.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -38,10 +40,6 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
 }
 
 constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
-// Whether the dK/dV pass may also sum dQ into the dq_accum workspace (the fused dQ); otherwise the launcher runs
-// the separate dQ pass whatever the call gives. d=64 fused measured far slower through JAX on the H200 (4k: 242 vs
-// 359 TFLOP/s; half the GEMM work per item against the same 64 bulk row reductions), d=128 faster (452 vs 414).
-constexpr bool has_fused_dq(int head_dim) { return head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
