@@ -172,7 +172,10 @@ def check_gradients_on_gpu(case: Case, deterministic=False, **kwargs):
 # JAX_FLASH_CUDA_KERNEL_BACKWARD (read by the C++ dispatcher at every call). Forced to sm90, a call it cannot run is
 # an error, so the skips below never hide a silent fallback to sm80.
 BACKWARD_KERNELS = ("sm80", "sm90")
-SM90_BACKWARD_FEATURES = ("none", "causal", "window", "window_left_causal", "seqlens", "seqlens_causal", "segments")
+# Every feature of FEATURES: softcap and ALiBi run its transforms form (bias, boolean masks and dropout, which it
+# refuses, are not in FEATURES).
+SM90_BACKWARD_FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi", "alibi_batched_causal",
+                          "seqlens", "seqlens_causal", "segments", "everything")
 
 
 @functools.cache
@@ -230,9 +233,11 @@ def test_backward_features(feature, heads, seqlens, kernel, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
-@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments"))
+@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments", "softcap", "alibi_batched_causal",
+                                     "everything"))
 def test_backward_sm90_long_sequences(feature, monkeypatch):
-    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop, d=128."""
+    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop (whose
+    query heads have ALiBi slopes of their own), d=128; softcap and ALiBi in the transforms form."""
     use_backward_kernel(monkeypatch, "sm90", 128, feature)
     case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16,
                 seed=12)
@@ -241,14 +246,16 @@ def test_backward_sm90_long_sequences(feature, monkeypatch):
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
 @pytest.mark.parametrize("dq_mode", ("fused", "separate"))
-@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap"))
+@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap",
+                                     "alibi_batched_causal"))
 @pytest.mark.parametrize("head_dim", (64, 128, 120, 256, 36, 33))
 def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
-    loads and pairs that are not 8-byte aligned), d=256 (sm80). softcap takes the general variant, which always
-    has its dQ pass; head_dim <= 64 and > 128 get no workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
+    loads and pairs that are not 8-byte aligned), d=256 (sm80). Softcap and ALiBi: the sm90 transforms form fuses
+    dQ like the common form; sm80's general variant always runs its dQ pass. head_dim <= 64 and > 128 get no
+    workspace (jax_flash/_ffi_calls.py), so both modes run that pass."""
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
@@ -260,10 +267,12 @@ def test_forcing_sm90_backward_on_an_unsupported_call_is_a_clear_error(monkeypat
     if reason := _sm90_backward_refusal():
         pytest.skip(reason)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
-    q, k, v = _on(GPUS[0], *Case(head_dim=64, dtype=jnp.bfloat16).inputs())
-    with pytest.raises(Exception, match="sm90 backward cannot run this call"):
+    case = Case(head_dim=64, dtype=jnp.bfloat16)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    bias = jax.device_put(jnp.zeros((case.batch, case.heads_q, case.seqlen_q, case.seqlen_k), jnp.float32), GPUS[0])
+    with pytest.raises(Exception, match="sm90 backward cannot run this call: bias"):
         jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
-            jax_flash.attention(q_, k, v, softcap=3.0).astype(jnp.float32)))(q))
+            jax_flash.attention(q_, k, v, bias=bias).astype(jnp.float32)))(q))
 
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)

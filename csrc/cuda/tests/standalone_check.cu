@@ -614,9 +614,11 @@ std::vector<Case> case_grid(bool small) {
   return cases;
 }
 
-// The Hopper backward's grid: the common variant (masks by position, lengths and segments only), head dims that
-// run on its d=64 and d=128 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so that
-// the pipelines wrap, ragged tile edges, rows and key tiles that see nothing, deterministic reruns.
+// The Hopper backward's grid: both kernel forms (common: masks by position, lengths and segments; transforms: also
+// softcap and/or ALiBi, with per-head slopes that change along a GQA group), head dims that run on its d=64 and
+// d=128 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so that the pipelines wrap,
+// ragged tile edges, rows and key tiles that see nothing, deterministic reruns (the separate dQ pass; d=128
+// non-deterministic cases take the fused dQ), and one call it refuses (a bias: forced to sm80).
 std::vector<Case> sm90_backward_grid(bool small) {
   std::vector<Case> cases;
   auto add = [&](Case c) { cases.push_back(c); };
@@ -630,6 +632,10 @@ std::vector<Case> sm90_backward_grid(bool small) {
   add({.name = "sm90 bwd all masked rows", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
        .window_left = 0, .window_right = 0});
   add({.name = "sm90 bwd seqlen 1", .seqlen_q = 1, .seqlen_k = 1, .head_dim = 128});
+  add({.name = "sm90 bwd softcap + alibi d=128 causal GQA", .batch = 2, .seqlen_q = 150, .seqlen_k = 170,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .softcap = 5.0f, .alibi = true});
+  add({.name = "sm90 bwd softcap + alibi d=64 odd", .seqlen_q = 100, .seqlen_k = 77, .softcap = 5.0f,
+       .alibi = true});
   if (small) return cases;
   for (int64_t d : {8, 64, 96, 128}) {
     for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
@@ -653,15 +659,39 @@ std::vector<Case> sm90_backward_grid(bool small) {
        .heads_kv = 2, .head_dim = 128, .causal = true, .seqlens = true});
   add({.name = "sm90 bwd segments", .batch = 2, .seqlen_q = 150, .seqlen_k = 150, .segments = true});
   add({.name = "sm90 bwd large logits", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128, .input_scale = 3.0f});
-  add({.name = "sm90 bwd falls back: softcap + alibi (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f,
-       .alibi = true});
+  // The transforms form (softcap and/or ALiBi).
+  for (int64_t d : {64, 128}) {
+    add({.name = "sm90 bwd softcap causal GQA odd", .batch = 2, .seqlen_q = 333, .seqlen_k = 271, .heads_q = 4,
+         .heads_kv = 2, .head_dim = d, .causal = true, .softcap = 8.0f, .input_scale = 2.0f});
+    add({.name = "sm90 bwd alibi causal GQA odd", .batch = 2, .seqlen_q = 271, .seqlen_k = 333, .heads_q = 6,
+         .heads_kv = 2, .head_dim = d, .causal = true, .alibi = true});
+    add({.name = "sm90 bwd softcap + alibi GQA deterministic", .batch = 2, .seqlen_q = 200, .seqlen_k = 333,
+         .heads_q = 4, .heads_kv = 1, .head_dim = d, .softcap = 5.0f, .alibi = true, .deterministic = true});
+  }
+  add({.name = "sm90 bwd softcap + alibi + window + seqlens + segments fp16", .batch = 3, .seqlen_q = 130,
+       .seqlen_k = 200, .heads_q = 4, .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16,
+       .window_left = 40, .window_right = 7, .softcap = 5.0f, .alibi = true, .seqlens = true, .segments = true});
+  add({.name = "sm90 bwd softcap large logits d=128", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128,
+       .softcap = 10.0f, .input_scale = 3.0f});
+  add({.name = "sm90 bwd alibi top-left causal, offset -5, sq>sk", .batch = 2, .seqlen_q = 190, .seqlen_k = 160,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .align_to_sequence_end = false,
+       .diagonal_offset = -5, .alibi = true});
+  add({.name = "sm90 bwd alibi seqlen 1000 MQA d=128", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000, .heads_q = 8,
+       .heads_kv = 1, .head_dim = 128, .alibi = true});
+  add({.name = "sm90 bwd softcap d=40 (padded) sq<sk fp16", .seqlen_q = 77, .seqlen_k = 150, .head_dim = 40,
+       .type = ElementType::kFloat16, .causal = true, .softcap = 3.0f});
+  add({.name = "sm90 bwd softcap + alibi all masked rows", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
+       .window_left = 0, .window_right = 0, .softcap = 5.0f, .alibi = true});
+  add({.name = "sm90 bwd falls back: bias (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f, .alibi = true,
+       .bias = 1});
   return cases;
 }
 
-// Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks).
+// Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks; the
+// grid's ALiBi distances are far below its 2^30 bound).
 bool sm90_backward_applies(const Case& c) {
-  return c.softcap == 0.0f && !c.alibi && c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f &&
-         c.head_dim % 8 == 0 && c.head_dim <= 128 && c.seqlen_q > 0 && c.seqlen_k > 0;
+  return c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 && c.head_dim <= 128 &&
+         c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
 // The benchmarks' problem: batch B of S queries and S keys, H heads of D (no GQA), bf16, scale 1/sqrt(D); the
