@@ -56,8 +56,10 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     return transforms ? launch_backward_form<kHeadDim, Element, true>(p, fused_dq, stream)
                       : launch_backward_form<kHeadDim, Element, false>(p, fused_dq, stream);
   };
-  if (has_fused_dq(kHeadDim) && p.dq_accum != nullptr && !p.deterministic) {
-    return run_fused_dq(p, stream, [&] { return gemm_passes(true); }, dq_from_accum_kernel<Element>, "sm90");
+  if constexpr (has_fused_dq(kHeadDim)) {
+    if (p.dq_accum != nullptr && !p.deterministic) {
+      return run_fused_dq(p, stream, [&] { return gemm_passes(true); }, dq_from_accum_kernel<Element>, "sm90");
+    }
   }
   return gemm_passes(false);
 }
