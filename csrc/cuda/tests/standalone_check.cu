@@ -2,7 +2,8 @@
 // Fresh random inputs per case, outputs poisoned with NaN before each call, every feature of the score pipeline.
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
-//   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events)
+//   standalone_check --bench    time fwd/bwd at d=128, 16k tokens, seqlen 4k (CUDA events; plain, causal, padding
+//                               mask, softcap 50, causal ALiBi)
 //   standalone_check --bench-persistent
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
@@ -744,12 +745,13 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
               ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[0] / ms[1], o_diff, lse_diff);
 }
 
-// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
-// with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
-// FLOPs are counted as without it).
+// fwd/bwd TFLOP/s at d=128, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, non-causal with
+// benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the FLOPs
+// are counted as without it), non-causal with softcap 50 (bench_attention.py's) and causal with ALiBi (the Hopper
+// backward's transforms form).
 void bench() {
-  for (int row = 0; row < 3; ++row) {
-    const bool causal = row == 1, padding_mask = row == 2;
+  for (int row = 0; row < 5; ++row) {
+    const bool causal = row == 1 || row == 4, padding_mask = row == 2, softcap = row == 3, alibi = row == 4;
     const int64_t B = 4, S = 4096, H = 16, D = 128;
     const size_t n = B * S * H * D;
     AttentionBackwardParams p = square_bf16_problem<AttentionBackwardParams>(B, S, H, D, causal);
@@ -771,6 +773,8 @@ void bench() {
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
     }
+    if (softcap) p.softcap = 50.0f;
+    if (alibi) p.alibi_slopes = to_device(std::vector<float>(B * H, 0.0625f));
     if (padding_mask) {
       p.mask = reinterpret_cast<const bool*>(to_device(mask));
       p.mask_strides = {B * S, S, 0, 0, 1};
@@ -812,9 +816,10 @@ void bench() {
     CHECK_CUDA(cudaGetLastError());
     if (padding_mask) bench_dense_forward(p, flops, time_ms);
     const double bwd_flops = 2.5 * flops * 1e-9;
-    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
-                "%.1f TFLOP/s, bwd with dq_accum %.3f ms %.1f TFLOP/s, bwd deterministic %.3f ms %.1f TFLOP/s\n",
-                causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd, bwd_fused,
+    std::printf("bench d=128 seqlen=4096 b=4 h=16 causal=%d padding_mask=%d softcap=%d alibi=%d: fwd %.3f ms %.1f "
+                "TFLOP/s, bwd %.3f ms %.1f TFLOP/s, bwd with dq_accum %.3f ms %.1f TFLOP/s, bwd deterministic %.3f ms "
+                "%.1f TFLOP/s\n",
+                causal, padding_mask, softcap, alibi, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd, bwd_fused,
                 bwd_flops / bwd_fused, bwd_deterministic, bwd_flops / bwd_deterministic);
   }
 }
