@@ -22,11 +22,17 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Raw dots -> capped_dot in place (either orientation).
+// Raw dots -> capped_dot in place (either orientation). The softcap test is hoisted out of the loop, so that an
+// ALiBi-only call computes no tanh.
 template <class Scores>
 __device__ __forceinline__ void cap_scores(Scores&& scores, float softmax_scale, float softcap) {
-  CUTE_UNROLL
-  for (int i = 0; i < cute::size(scores); ++i) scores(i) = capped_dot(scores(i), softmax_scale, softcap);
+  if (softcap > 0.0f) {
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(scores); ++i) scores(i) = capped_dot(scores(i), softmax_scale, softcap);
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(scores); ++i) scores(i) = capped_dot(scores(i), softmax_scale, 0.0f);
+  }
 }
 
 // The rest of transform_score (the softcap's factor, ALiBi), and the probability and score gradient, of one
