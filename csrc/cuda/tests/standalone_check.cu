@@ -672,6 +672,9 @@ std::vector<Case> sm90_backward_grid(bool small) {
   add({.name = "sm90 bwd softcap + alibi + window + seqlens + segments fp16", .batch = 3, .seqlen_q = 130,
        .seqlen_k = 200, .heads_q = 4, .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16,
        .window_left = 40, .window_right = 7, .softcap = 5.0f, .alibi = true, .seqlens = true, .segments = true});
+  add({.name = "sm90 bwd softcap + alibi seqlens causal d=128 deterministic", .batch = 3, .seqlen_q = 129,
+       .seqlen_k = 140, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .softcap = 4.0f,
+       .alibi = true, .seqlens = true, .deterministic = true});
   add({.name = "sm90 bwd softcap large logits d=128", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128,
        .softcap = 10.0f, .input_scale = 3.0f});
   add({.name = "sm90 bwd alibi top-left causal, offset -5, sq>sk", .batch = 2, .seqlen_q = 190, .seqlen_k = 160,
