@@ -172,7 +172,12 @@ def check_gradients_on_gpu(case: Case, deterministic=False, **kwargs):
 # JAX_FLASH_CUDA_KERNEL_BACKWARD (read by the C++ dispatcher at every call). Forced to sm90, a call it cannot run is
 # an error, so the skips below never hide a silent fallback to sm80.
 BACKWARD_KERNELS = ("sm80", "sm90")
-SM90_BACKWARD_FEATURES = ("none", "causal", "window", "window_left_causal", "seqlens", "seqlens_causal", "segments")
+# Every feature of FEATURES: softcap and ALiBi run its transforms form (bias, boolean masks and dropout, which it
+# refuses, are not in FEATURES).
+SM90_BACKWARD_FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi", "alibi_batched_causal",
+                          "seqlens", "seqlens_causal", "segments", "everything")
+# The features of the sm90 backward's transforms form (softcap/ALiBi), which has no d=256 kernel.
+SM90_TRANSFORMS_FEATURES = ("softcap", "alibi", "alibi_batched_causal", "everything")
 
 
 @functools.cache
@@ -205,6 +210,8 @@ def use_backward_kernel(monkeypatch, kernel: str, head_dim: int, feature: str = 
             pytest.skip("the sm90 backward has d=64, d=128 and d=256 kernels (TMA: head_dim % 8 == 0)")
         if feature not in SM90_BACKWARD_FEATURES:
             pytest.skip(f"{feature} runs on the sm80 backward only")
+        if feature in SM90_TRANSFORMS_FEATURES and head_dim > 128:
+            pytest.skip(f"{feature} at head_dim > 128 runs on the sm80 backward (no d=256 transforms form)")
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", kernel)
 
 
@@ -231,9 +238,11 @@ def test_backward_features(feature, heads, seqlens, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", (128, 256))
-@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments"))
+@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments", "softcap", "alibi_batched_causal",
+                                     "everything"))
 def test_backward_sm90_long_sequences(feature, head_dim, monkeypatch):
-    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop; d=256 is
+    """Many query and key tiles through the sm90 backward's pipelines (stages wrap), the GQA group loop (whose
+    query heads have ALiBi slopes of their own); softcap and ALiBi in the transforms form (d=128 only); d=256 is
     the split-head-dim dK/dV kernel and the 32-key-tile dQ kernel."""
     use_backward_kernel(monkeypatch, "sm90", head_dim, feature)
     case = Case(batch=2, seqlen_q=1500, seqlen_k=2100, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
@@ -255,15 +264,16 @@ def test_backward_sm90_hdim256_features(feature, heads, seqlens, monkeypatch):
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)
 @pytest.mark.parametrize("dq_mode", ("fused", "separate"))
-@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap"))
+@pytest.mark.parametrize("feature", ("none", "causal", "seqlens_causal", "window", "segments", "softcap",
+                                     "alibi_batched_causal"))
 @pytest.mark.parametrize("head_dim", (64, 128, 120, 256, 36, 33))
 def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     """Both ways to dQ of either backward family: fused (the default, JAX_FLASH_FUSED_DQ=1: dQ summed in the
     dK/dV pass into a float32 workspace) and the separate dQ pass (=0). Several key tiles add into each dQ row,
     ragged edges, GQA, head dims below the tile width (120 on d=128; sm80 only: 36 and an odd 33, element-wise
-    loads and pairs that are not 8-byte aligned), d=256 (no workspace). softcap takes the general variant, which always
-    has its dQ pass; head_dim < 64 and > 128 get no workspace (jax_flash/_ffi_calls.py), so both modes run that
-    pass.
+    loads and pairs that are not 8-byte aligned), d=256 (no workspace). Softcap and ALiBi: the sm90 transforms
+    form fuses dQ like the common form; sm80's general variant always runs its dQ pass. head_dim < 64 and > 128 get
+    no workspace (jax_flash/_ffi_calls.py), so both modes run that pass.
     Fused here includes head_dim 64 (_FUSED_DQ_MIN_HEAD_DIM lowered to 64) although the default keeps d=64 on the
     separate pass until measured, so that the d=64 fused forms stay tested."""
     from jax_flash import _ffi_calls
@@ -280,10 +290,12 @@ def test_forcing_sm90_backward_on_an_unsupported_call_is_a_clear_error(monkeypat
     if reason := _sm90_backward_refusal():
         pytest.skip(reason)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
-    q, k, v = _on(GPUS[0], *Case(head_dim=64, dtype=jnp.bfloat16).inputs())
-    with pytest.raises(Exception, match="sm90 backward cannot run this call"):
+    case = Case(head_dim=64, dtype=jnp.bfloat16)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    bias = jax.device_put(jnp.zeros((case.batch, case.heads_q, case.seqlen_q, case.seqlen_k), jnp.float32), GPUS[0])
+    with pytest.raises(Exception, match="sm90 backward cannot run this call: bias"):
         jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
-            jax_flash.attention(q_, k, v, softcap=3.0).astype(jnp.float32)))(q))
+            jax_flash.attention(q_, k, v, bias=bias).astype(jnp.float32)))(q))
 
 
 @pytest.mark.parametrize("kernel", BACKWARD_KERNELS)

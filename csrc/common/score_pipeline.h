@@ -113,4 +113,12 @@ JF_HOST_DEVICE float transform_score(float dot, float softmax_scale, float softc
   return s;
 }
 
+// transform_score's first half, for a kernel that runs it (the softcap's tanh, the costly part) apart from the
+// rest: the scaled dot, through tanh(. / softcap) under a softcap; the same float operations as transform_score's.
+// The sm90 backward's transforms form finishes it in sm90/transformed_scores.h (CappedScoreStep).
+JF_HOST_DEVICE float capped_dot(float dot, float softmax_scale, float softcap) {
+  const float s = dot * softmax_scale;
+  return softcap > 0.0f ? tanhf(s / softcap) : s;
+}
+
 }  // namespace jax_flash

@@ -202,12 +202,26 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
     return "this build has no sm_90a backward kernel for head_dim " + std::to_string(p.head_dim);
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  // Only the common variant exists (the transposed score step of sm90/transposed_scores.h has no
-  // softcap/ALiBi/bias/mask/dropout, and folds a positive scale into exp2: a zero one would turn masked -inf dots
-  // into NaN).
-  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
-      p.dropout_rate > 0.0f || p.dbias != nullptr || !(p.softmax_scale > 0.0f)) {
-    return "softcap, ALiBi, bias, mask, dropout and softmax_scale <= 0 run on the sm80 backward only";
+  // Two kernel forms exist (sm90/backward_form.h): common, and transforms (softcap, ALiBi). Neither reads a bias or
+  // boolean mask or drops out, and the common form folds a positive scale into exp2 (a zero one would turn masked
+  // -inf dots into NaN).
+  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr ||
+      !(p.softmax_scale > 0.0f)) {
+    return "bias, mask, dropout and softmax_scale <= 0 run on the sm80 backward only";
+  }
+  if ((p.softcap > 0.0f || p.alibi_slopes != nullptr) && sm90_backward_head_dim(p.head_dim) > 128) {
+    return "softcap and ALiBi at head_dim > 128 run on the sm80 backward only (the d=256 kernel has no transforms form)";
+  }
+  // The transforms form takes ALiBi distances |query + diagonal_shift - key| in 32 bits
+  // (sm90/transformed_scores.h); with |diagonal_offset| + 2 (seqlen_q + seqlen_k) below 2^30 they stay far from it.
+  if (p.alibi_slopes != nullptr) {
+    constexpr int64_t kLimit = int64_t{1} << 30;
+    const int64_t offset = p.diagonal_offset;
+    // Short-circuited: the sum is formed only from terms below 2^30.
+    if (offset <= -kLimit || offset >= kLimit || p.seqlen_q >= kLimit || p.seqlen_k >= kLimit ||
+        (offset < 0 ? -offset : offset) + 2 * (p.seqlen_q + p.seqlen_k) >= kLimit) {
+      return "ALiBi with |diagonal_offset| + 2 (seqlen_q + seqlen_k) >= 2^30 runs on the sm80 backward only";
+    }
   }
   if (p.head_dim % 8 != 0) return "head_dim must be a multiple of 8";  // TMA row strides
   const void* operands[] = {p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv};

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes one .cu per (direction, head dim, element type) into sm80/instantiations/, one per (direction, head dim,
-element type) of the Hopper kernels into sm90/instantiations/ (plus one per forward kernel form), and one per (direction, head dim) of the float32 kernels
-into f32/instantiations/.
+element type) of the Hopper kernels into sm90/instantiations/ (plus one per kernel form of either direction), and
+one per (direction, head dim) of the float32 kernels into f32/instantiations/.
 
 Run after changing the table below; the generated files are committed so builds need no Python.
 CMakeLists.txt picks files by name (JAX_FLASH_CUDA_HEAD_DIMS), so keep the naming scheme in step with it.
@@ -23,6 +23,10 @@ SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVarian
                      "cudaStream_t);")
 SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
+# The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
+SM90_BACKWARD_FORMS = {"common": "false", "transforms": "true"}
+SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, {transforms}>(const AttentionBackwardParams&, bool, "
+                      "cudaStream_t);")
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",
     "backward": "std::string launch_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);",
@@ -55,9 +59,15 @@ def main() -> None:
                 files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}_{name}.cu"] = text
     for d in SM90_BACKWARD_HEAD_DIMS:
         for short, cpp in ELEMENT_TYPES.items():
-            text = TEMPLATE.format(header="backward_launch.h", family="sm90",
+            text = TEMPLATE.format(header="backward_dispatch.h", family="sm90",
                                    declaration=SM90_BACKWARD.format(d=d, t=cpp))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}.cu"] = text
+            for name, transforms in SM90_BACKWARD_FORMS.items():
+                if name == "transforms" and d > 128:  # backward_form.h has_transforms_form: not the d=256 kernel
+                    continue
+                text = TEMPLATE.format(header="backward_launch.h", family="sm90",
+                                       declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, transforms=transforms))
+                files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}_{name}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:
             text = TEMPLATE.format(header="launch.h", family="f32", declaration=declaration.format(d=d))

@@ -6,6 +6,8 @@
 //  - each consumer warpgroup owns 64 of the keys. Per query tile, all with WGMMA:
 //      S^T = K Q^T, dP^T = V dO^T        (both operands from smem)
 //      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (in registers; masks only on boundary tiles)
+//        (transforms form, kTransforms: S^T = transform_score(K Q^T) with softcap and/or ALiBi, and dS^T also
+//        carries the softcap's factor; transformed_scores.h)
 //      dV += P^T dO, dK += dS^T Q        (P^T, dS^T straight from the accumulators as register A operands)
 // Computing the transposed scores is what lets P and dS skip shared memory: their rows are already the keys.
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
@@ -34,6 +36,7 @@
 #include "backward_traits.h"
 #include "dq_staging.h"
 #include "fragments.h"
+#include "transformed_scores.h"
 #include "transposed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -141,7 +144,7 @@ __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock&
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
 // item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits, bool kFusedDq>
+template <class Traits, bool kTransforms, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
@@ -197,6 +200,12 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   for (int item = 0; item < kb.items; ++item) {
     const int stage = read.index();
     const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    // Transforms form: ALiBi's slope is the item's query head's (it changes along a GQA group); loaded before the
+    // GEMMs so that they hide its latency.
+    float alibi_slope = 0.0f;
+    if constexpr (kTransforms) {
+      if (p.alibi_slopes != nullptr) alibi_slope = p.alibi_slopes[kb.batch * p.heads_q + kb.head(item)];
+    }
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     pipeline_qdo.consumer_wait(read);
@@ -206,12 +215,24 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     auto scores = sm80::as_rows_cols(sm80_view(acc_s));
     auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
-    if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
-      mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+    if constexpr (kTransforms) {
+      // The tanh (the costly part) and the masks while dP^T runs; the rest needs dP^T for the softcap's factor.
+      cap_scores(scores, p.softmax_scale, p.softcap);
+      if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+        mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+      }
+      warpgroup_wait<0>();
+      transposed_capped_step(CappedScoreStep::make(p.softcap, alibi_slope), scores, dp, coords,
+                             first_alibi_distance(kb.mask, coords, m0, kb.n0, /*transposed=*/true),
+                             smem.lse_log2[stage], smem.softmax_d[stage]);
+    } else {
+      if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+        mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+      }
+      transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
+      warpgroup_wait<0>();
+      transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
     }
-    transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
-    warpgroup_wait<0>();
-    transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
     pipeline_stats.consumer_release(read);
 
     Tensor probs = sm80::converted<T>(acc_s);
@@ -248,9 +269,10 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     ++read;
   }
 
-  // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
-  // of V, and of K too except the fused dQ's, which read all of K: dV and dK are staged in this warpgroup's rows
-  // of V and K for 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
+  // Epilogue: dK carries the softmax scale of S = scale * Q K^T (transforms form: of the scaled dot inside the
+  // transform, dS^T being d loss / d(scaled dot)). This warpgroup's GEMMs read only its own 64 rows of V, and of
+  // K too except the fused dQ's, which read all of K: dV and dK are staged in this warpgroup's rows of V and K for
+  // 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);
   copy(dv_out, thr_dkv.partition_C(sV));
@@ -265,11 +287,12 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
 }
 
-template <class Traits, bool kFusedDq>
+template <class Traits, bool kTransforms, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
   static_assert(!(kFusedDq && Traits::kSplitHeadDim), "the split-head-dim form has no fused dQ");
+  static_assert(!(kTransforms && Traits::kSplitHeadDim), "the split-head-dim form has no transforms form");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
@@ -326,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kSplitHeadDim) {
       consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     } else {
-      consume_query_tiles<Traits, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+      consume_query_tiles<Traits, kTransforms, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     }
   }
 }

@@ -3,9 +3,10 @@
 // one fixed order with no atomics (the design choice of sm80/backward_dq_kernel.h: deterministic for free).
 //  - producer warpgroup, thread 0: TMA loads of Q and dO once and of K and V tiles into a kStages pipeline;
 //  - each consumer warpgroup owns 64 of the rows: S = Q K^T and dP = dO V^T by WGMMA from smem, the shared
-//    backward score step of sm80 (masks, P = exp(S - lse), dS = P (dP - D)), then dQ += dS K by WGMMA with dS
-//    from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs while tile n+1's S and dP are
-//    issued; tile n's K/V stage is handed back once both have retired.
+//    backward score step of sm80 (masks, P = exp(S - lse), dS = P (dP - D); in the transforms form, kTransforms,
+//    S = transform_score(Q K^T) with softcap and/or ALiBi and dS times the softcap's factor: transformed_scores.h),
+//    then dQ += dS K by WGMMA with dS from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs
+//    while tile n+1's S and dP are issued; tile n's K/V stage is handed back once both have retired.
 #pragma once
 
 #include <cmath>
@@ -23,6 +24,7 @@
 #include "backward_traits.h"
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
+#include "transformed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -95,7 +97,7 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
 
 // Consumer warpgroup `group`: dQ of its 64 rows over every visible key tile, then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits>
+template <class Traits, bool kTransforms>
 __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams& p, const RowBlock& rb,
                                                  typename Traits::SharedStorage& smem,
                                                  typename Traits::Pipeline& pipeline_kv, int group) {
@@ -149,7 +151,16 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
     const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
     auto s_view = sm80_view(acc_s);
     auto dp_view = sm80_view(acc_dp);
-    if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
+    const bool interior = n_block >= rb.interior.begin && n_block < rb.interior.end;
+    if constexpr (kTransforms) {
+      // Transformed scores, then the position masks (hidden: -inf) where the tile needs them.
+      auto scores = sm80::as_rows_cols(s_view);
+      auto score_coords = sm80::as_rows_cols(coords);
+      cap_scores(scores, p.softmax_scale, p.softcap);
+      if (!interior) scorer.template apply<true>(s_view, coords, rb.m0, n0);
+      capped_step(CappedScoreStep::make(p.softcap, rb.mask.alibi_slope), scores, sm80::as_rows_cols(dp_view),
+                  score_coords, first_alibi_distance(rb.mask, score_coords, rb.m0, n0, /*transposed=*/false), stats);
+    } else if (interior) {
       sm80::backward_scores<false, false>(scorer, p, no_dropout, s_view, dp_view, coords, stats, rb.m0, n0,
                                           to_log2);
     } else {
@@ -166,8 +177,8 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   warpgroup_wait<0>();
   pipeline_kv.consumer_release(previous);
 
-  // Epilogue: dQ carries the softmax scale; staged in this warpgroup's own rows of Q (its GEMMs read only those
-  // and have retired) for 16-byte row stores.
+  // Epilogue: dQ carries the softmax scale (transforms form: dS is d loss / d(scaled dot)); staged in this
+  // warpgroup's own rows of Q (its GEMMs read only those and have retired) for 16-byte row stores.
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
   Tensor dq_out = sm80::converted<T>(acc_dq);
@@ -176,7 +187,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   store_query_rows<Traits>(p, rb, &sQ, group * 64, group * 64 + 64, thread % 128, 128);
 }
 
-template <class Traits>
+template <class Traits, bool kTransforms>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dq_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
@@ -213,7 +224,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x == 0) produce_dq_tiles<Traits>(args, rb, smem, pipeline_kv);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_key_tiles<Traits>(p, rb, smem, pipeline_kv, warp_group - 1);
+    consume_key_tiles<Traits, kTransforms>(p, rb, smem, pipeline_kv, warp_group - 1);
   }
 }
 

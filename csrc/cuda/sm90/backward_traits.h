@@ -4,12 +4,14 @@
 //   dQ kernel:    M = query rows (resident), streams (K, V) tiles of block_n keys.
 // Except at d=256 (DkdvSplitTraits): there dK and dV of 64 keys would be 256 floats per thread, so the dK/dV
 // kernel's two consumer warpgroups share 64 keys and split the head dim instead.
-// Only the common variant exists (no softcap/ALiBi/bias/mask/dropout: those calls run the sm80 backward).
+// Two kernel forms share these traits (backward_form.h): common, and transforms (softcap/ALiBi; not at d=256);
+// bias, mask and dropout calls run the sm80 backward.
 #pragma once
 
 #include <type_traits>
 
 #include "../../common/dq_workspace.h"
+#include "backward_form.h"
 #include "kernel_traits.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -59,13 +61,6 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
 }
 
 constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
-// Whether the dK/dV kernel of this head dim has the fused-dQ form: with a dq_accum workspace (which the Python side
-// declares only where fusing measured faster: jax_flash/_ffi_calls.py _uses_fused_dq) it sums dQ there instead of
-// the launcher running the separate dQ pass. Never d=256 (the split kernel has no shared memory left for the staged
-// tile). d=128 measured faster (452 vs 414 TFLOP/s); d=64 lost (4k: 242 vs 359) when each item took 64 bulk row
-// reductions, and is here again for measurement now that an item is one bulk reduction (the Python switch keeps it
-// off until then).
-constexpr bool has_fused_dq(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>

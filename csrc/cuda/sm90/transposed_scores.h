@@ -1,7 +1,8 @@
 // The common-variant backward score step on a transposed tile (rows = keys, columns = query rows), as the sm90
 // dK/dV kernel computes S^T = K Q^T: the position/length/segment masks of SliceMask (common/score_pipeline.h),
 // then P = exp(scale * S - lse) and dS = P (dP - D), the arithmetic of sm80/row_stats.h with the per-query
-// statistics indexed by column. sm80::ScoreTile walks rows of queries, hence this column-wise twin.
+// statistics indexed by column. sm80::ScoreTile walks rows of queries, hence this column-wise twin. (The transforms
+// form, softcap/ALiBi, shares the masks; its score arithmetic is in transformed_scores.h.)
 #pragma once
 
 #include <cmath>

@@ -2,8 +2,9 @@
 // Fresh random inputs per case, outputs poisoned with NaN before each call, every feature of the score pipeline.
 //   standalone_check            run the case grid; exit status 1 on any failure
 //   standalone_check --small    a few small cases (for compute-sanitizer)
-//   standalone_check --bench    time fwd/bwd at d=128 and d=256, 16k tokens, seqlen 4k (CUDA events); other
-//                               head dims with JAX_FLASH_BENCH_HEAD_DIMS (e.g. "64 128")
+//   standalone_check --bench    time fwd/bwd at d=128 and d=256, 16k tokens, seqlen 4k (CUDA events; plain, causal,
+//                               padding mask, softcap 50, causal ALiBi); other head dims with
+//                               JAX_FLASH_BENCH_HEAD_DIMS (e.g. "64 128")
 //   standalone_check --bench-persistent
 //                               the forward at d=64/128/256, 16k tokens, seqlens 512..8k, one CTA per tile vs the
 //                               persistent grid (JAX_FLASH_SM90_PERSISTENT=0/1); exit status 1 unless the two
@@ -617,9 +618,11 @@ std::vector<Case> case_grid(bool small) {
   return cases;
 }
 
-// The Hopper backward's grid: the common variant (masks by position, lengths and segments only), head dims that
-// run on its d=64, d=128 and d=256 kernels (padded ones included), GQA/MQA group loops, many query/key tiles so
-// that the pipelines wrap, ragged tile edges, rows and key tiles that see nothing, deterministic reruns.
+// The Hopper backward's grid: both kernel forms (common: masks by position, lengths and segments; transforms: also
+// softcap and/or ALiBi, with per-head slopes that change along a GQA group), head dims that run on its d=64,
+// d=128 and d=256 kernels (padded ones included; d=256 common form only), GQA/MQA group loops, many query/key tiles so that the pipelines wrap,
+// ragged tile edges, rows and key tiles that see nothing, deterministic reruns (the separate dQ pass; d=128
+// non-deterministic cases take the fused dQ), and one call it refuses (a bias: forced to sm80).
 std::vector<Case> sm90_backward_grid(bool small) {
   std::vector<Case> cases;
   auto add = [&](Case c) { cases.push_back(c); };
@@ -635,6 +638,10 @@ std::vector<Case> sm90_backward_grid(bool small) {
   add({.name = "sm90 bwd seqlen 1", .seqlen_q = 1, .seqlen_k = 1, .head_dim = 128});
   add({.name = "sm90 bwd d=256 causal GQA odd seqlens", .batch = 2, .seqlen_q = 77, .seqlen_k = 150, .heads_q = 4,
        .heads_kv = 2, .head_dim = 256, .causal = true});
+  add({.name = "sm90 bwd softcap + alibi d=128 causal GQA", .batch = 2, .seqlen_q = 150, .seqlen_k = 170,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .softcap = 5.0f, .alibi = true});
+  add({.name = "sm90 bwd softcap + alibi d=64 odd", .seqlen_q = 100, .seqlen_k = 77, .softcap = 5.0f,
+       .alibi = true});
   if (small) return cases;
   for (int64_t d : {8, 64, 96, 128, 192, 256}) {
     for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
@@ -676,15 +683,45 @@ std::vector<Case> sm90_backward_grid(bool small) {
        .diagonal_offset = 1000, .window_left = 0, .window_right = 0});
   add({.name = "sm90 bwd d=200 (padded to 256) large logits", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 200,
        .input_scale = 3.0f});
-  add({.name = "sm90 bwd falls back: softcap + alibi (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f,
-       .alibi = true});
+  add({.name = "sm90 bwd falls back: softcap d=256 (sm80)", .seqlen_q = 100, .seqlen_k = 100, .head_dim = 256,
+       .softcap = 5.0f});
+  // The transforms form (softcap and/or ALiBi).
+  for (int64_t d : {64, 128}) {
+    add({.name = "sm90 bwd softcap causal GQA odd", .batch = 2, .seqlen_q = 333, .seqlen_k = 271, .heads_q = 4,
+         .heads_kv = 2, .head_dim = d, .causal = true, .softcap = 8.0f, .input_scale = 2.0f});
+    add({.name = "sm90 bwd alibi causal GQA odd", .batch = 2, .seqlen_q = 271, .seqlen_k = 333, .heads_q = 6,
+         .heads_kv = 2, .head_dim = d, .causal = true, .alibi = true});
+    add({.name = "sm90 bwd softcap + alibi GQA deterministic", .batch = 2, .seqlen_q = 200, .seqlen_k = 333,
+         .heads_q = 4, .heads_kv = 1, .head_dim = d, .softcap = 5.0f, .alibi = true, .deterministic = true});
+  }
+  add({.name = "sm90 bwd softcap + alibi + window + seqlens + segments fp16", .batch = 3, .seqlen_q = 130,
+       .seqlen_k = 200, .heads_q = 4, .heads_kv = 1, .head_dim = 128, .type = ElementType::kFloat16,
+       .window_left = 40, .window_right = 7, .softcap = 5.0f, .alibi = true, .seqlens = true, .segments = true});
+  add({.name = "sm90 bwd softcap + alibi seqlens causal d=128 deterministic", .batch = 3, .seqlen_q = 129,
+       .seqlen_k = 140, .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .softcap = 4.0f,
+       .alibi = true, .seqlens = true, .deterministic = true});
+  add({.name = "sm90 bwd softcap large logits d=128", .seqlen_q = 128, .seqlen_k = 190, .head_dim = 128,
+       .softcap = 10.0f, .input_scale = 3.0f});
+  add({.name = "sm90 bwd alibi top-left causal, offset -5, sq>sk", .batch = 2, .seqlen_q = 190, .seqlen_k = 160,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .align_to_sequence_end = false,
+       .diagonal_offset = -5, .alibi = true});
+  add({.name = "sm90 bwd alibi seqlen 1000 MQA d=128", .batch = 1, .seqlen_q = 1000, .seqlen_k = 1000, .heads_q = 8,
+       .heads_kv = 1, .head_dim = 128, .alibi = true});
+  add({.name = "sm90 bwd softcap d=40 (padded) sq<sk fp16", .seqlen_q = 77, .seqlen_k = 150, .head_dim = 40,
+       .type = ElementType::kFloat16, .causal = true, .softcap = 3.0f});
+  add({.name = "sm90 bwd softcap + alibi all masked rows", .seqlen_q = 64, .seqlen_k = 64, .diagonal_offset = 1000,
+       .window_left = 0, .window_right = 0, .softcap = 5.0f, .alibi = true});
+  add({.name = "sm90 bwd falls back: bias (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f, .alibi = true,
+       .bias = 1});
   return cases;
 }
 
-// Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks).
+// Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks; the
+// grid's ALiBi distances are far below its 2^30 bound).
 bool sm90_backward_applies(const Case& c) {
-  return c.softcap == 0.0f && !c.alibi && c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f &&
-         c.head_dim % 8 == 0 && c.head_dim <= 256 && c.seqlen_q > 0 && c.seqlen_k > 0;
+  const bool transforms = c.softcap > 0.0f || c.alibi;  // the transforms form: up to d=128
+  return c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 &&
+         c.head_dim <= (transforms ? 128 : 256) && c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
 // The benchmarks' problem: batch B of S queries and S keys, H heads of D (no GQA), bf16, scale 1/sqrt(D); the
@@ -738,12 +775,13 @@ void bench_dense_forward(const AttentionParams& p, double flops, TimeMs&& time_m
               lse_diff);
 }
 
-// fwd/bwd TFLOP/s at head dim D, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, and non-causal
-// with benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the
-// FLOPs are counted as without it).
+// fwd/bwd TFLOP/s at head dim D, seqlen 4096, 16 heads, batch 4 (16k tokens), bf16: causal or not, non-causal with
+// benchmarks/bench_attention.py's key-padding mask (batch row b keeps its first S * (1 - b / 2B) keys; the FLOPs
+// are counted as without it), non-causal with softcap 50 (bench_attention.py's) and causal with ALiBi (the Hopper
+// backward's transforms form, up to d=128).
 void bench(int64_t D) {
-  for (int row = 0; row < 3; ++row) {
-    const bool causal = row == 1, padding_mask = row == 2;
+  for (int row = 0; row < 5; ++row) {
+    const bool causal = row == 1 || row == 4, padding_mask = row == 2, softcap = row == 3, alibi = row == 4;
     const int64_t B = 4, S = 4096, H = 16;
     const size_t n = B * S * H * D;
     AttentionBackwardParams p = square_bf16_problem<AttentionBackwardParams>(B, S, H, D, causal);
@@ -765,6 +803,8 @@ void bench(int64_t D) {
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
     }
+    if (softcap) p.softcap = 50.0f;
+    if (alibi) p.alibi_slopes = to_device(std::vector<float>(B * H, 0.0625f));
     if (padding_mask) {
       p.mask = reinterpret_cast<const bool*>(to_device(mask));
       p.mask_strides = {B * S, S, 0, 0, 1};
@@ -806,9 +846,11 @@ void bench(int64_t D) {
     CHECK_CUDA(cudaGetLastError());
     if (padding_mask) bench_dense_forward(p, flops, time_ms);
     const double bwd_flops = 2.5 * flops * 1e-9;
-    std::printf("bench d=%lld seqlen=4096 b=4 h=16 causal=%d padding_mask=%d: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms "
-                "%.1f TFLOP/s, bwd with dq_accum %.3f ms %.1f TFLOP/s, bwd deterministic %.3f ms %.1f TFLOP/s\n",
-                (long long)D, causal, padding_mask, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd, bwd_fused,
+    std::printf("bench d=%lld seqlen=4096 b=4 h=16 causal=%d padding_mask=%d softcap=%d alibi=%d: fwd %.3f ms %.1f "
+                "TFLOP/s, bwd %.3f ms %.1f TFLOP/s, bwd with dq_accum %.3f ms %.1f TFLOP/s, bwd deterministic %.3f ms "
+                "%.1f TFLOP/s\n",
+                (long long)D, causal, padding_mask, softcap, alibi, fwd, flops / fwd * 1e-9, bwd, bwd_flops / bwd,
+                bwd_fused,
                 bwd_flops / bwd_fused, bwd_deterministic, bwd_flops / bwd_deterministic);
   }
 }

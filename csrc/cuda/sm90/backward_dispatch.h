@@ -1,0 +1,79 @@
+// launch_backward for one (head dim, element type) of the Hopper backward (sm_90a only):
+//   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
+//   2. the GEMM passes in the kernel form the call needs (backward_form.h: common, or transforms for softcap/ALiBi),
+//      each form's launcher (backward_launch.h) instantiated in a translation unit of its own:
+//   3. with a dq_accum workspace (where jax_flash/_ffi_calls.py declares one; never for deterministic calls,
+//      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=64, d=128): dQ is summed into it by the dK/dV pass
+//      (zeroed first), one bulk reduction per item into its tile-major layout, and one pass scales and converts it
+//      (dq_staging.h dq_from_tiles). Otherwise the dQ pass recomputes S and dP: no atomics anywhere,
+//      bit-reproducible. Fused is the default at d=128 since its dQ tile went through shared memory and bulk
+//      reductions: d=128 4k on the H200 449 vs 421 TFLOP/s, causal 388 vs 359 with one reduction per row
+//      (benchmarks/NOTES.md).
+// The transforms form exists only where has_transforms_form (not at d=256; dispatch.cu refuses those calls).
+// The dispatcher routes here only calls without bias, boolean mask or dropout, with softmax_scale > 0,
+// head_dim % 8 == 0, 16-byte aligned operands and non-empty sequences (dispatch.cu sm90_backward_refusal).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../../common/attention_params.h"
+#include "../common/block_range.h"
+#include "../common/dq_accum.h"
+#include "../sm80/backward_row_kernels.h"
+#include "../sm80/launch_common.h"
+#include "backward_form.h"
+#include "backward_traits.h"
+#include "dq_staging.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu.
+template <int kHeadDim, class Element, bool kTransforms>
+std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
+
+template <class T>
+__global__ void __launch_bounds__(sm80::kRowKernelWarps * 32) softmax_d_kernel(const AttentionBackwardParams p) {
+  sm80::softmax_d_rows<T>(p);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(kDqConvertThreads) dq_from_tiles_kernel(const AttentionBackwardParams p) {
+  dq_from_tiles<Traits>(p);
+}
+
+template <int kHeadDim, class Element>
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return "sm90 backward: empty sequences (a TMA descriptor needs data)";
+  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
+  const int64_t row_blocks = ceil_div(rows, sm80::kRowKernelWarps);
+  if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
+  if (row_blocks > 0) {
+    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
+    if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
+  }
+  const bool transforms = backward_transforms_scores(p);
+  auto gemm_passes = [&](bool fused_dq) -> std::string {
+    if constexpr (has_transforms_form(kHeadDim)) {
+      if (transforms) return launch_backward_form<kHeadDim, Element, true>(p, fused_dq, stream);
+    } else if (transforms) {
+      return "sm90 backward: no softcap/ALiBi form at this head dim";
+    }
+    return launch_backward_form<kHeadDim, Element, false>(p, fused_dq, stream);
+  };
+  if constexpr (has_fused_dq(kHeadDim)) {
+    // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.
+    if (p.dq_accum != nullptr && !p.deterministic && reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0) {
+      const int64_t chunks = p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);  // one CTA each
+      return run_fused_dq(p, stream, dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim),
+                          [&] { return gemm_passes(true); }, dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>,
+                          chunks, "sm90");
+    }
+  }
+  return gemm_passes(false);
+}
+
+}  // namespace jax_flash::cuda::sm90
