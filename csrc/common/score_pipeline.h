@@ -114,11 +114,13 @@ JF_HOST_DEVICE float transform_score(float dot, float softmax_scale, float softc
 }
 
 // transform_score's first half, for a kernel that runs it (the softcap's tanh, the costly part) apart from the
-// rest: the scaled dot, through tanh(. / softcap) under a softcap; the same float operations as transform_score's.
+// rest: the scaled dot, through tanh(. / softcap) under a softcap; the same float operations as transform_score's
+// with the same SoftcapTanh (a backward must recompute exactly the forward's logits, or P no longer matches lse).
 // The sm90 backward's transforms form finishes it in sm90/transformed_scores.h (CappedScoreStep).
-JF_HOST_DEVICE float capped_dot(float dot, float softmax_scale, float softcap) {
+template <class SoftcapTanh = ExactSoftcapTanh>
+JF_HOST_DEVICE float capped_dot(float dot, float softmax_scale, float softcap, SoftcapTanh softcap_tanh = {}) {
   const float s = dot * softmax_scale;
-  return softcap > 0.0f ? tanhf(s / softcap) : s;
+  return softcap > 0.0f ? softcap_tanh(s, softcap) : s;
 }
 
 }  // namespace jax_flash

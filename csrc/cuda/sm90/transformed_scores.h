@@ -22,13 +22,16 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Raw dots -> capped_dot in place (either orientation). The softcap test is hoisted out of the loop, so that an
+// Raw dots -> capped_dot in place (either orientation), with the half-precision kernels' fast tanh
+// (sm80::FastSoftcapTanh), as the forward computed them. The softcap test is hoisted out of the loop, so that an
 // ALiBi-only call computes no tanh.
 template <class Scores>
 __device__ __forceinline__ void cap_scores(Scores&& scores, float softmax_scale, float softcap) {
   if (softcap > 0.0f) {
     CUTE_UNROLL
-    for (int i = 0; i < cute::size(scores); ++i) scores(i) = capped_dot(scores(i), softmax_scale, softcap);
+    for (int i = 0; i < cute::size(scores); ++i) {
+      scores(i) = capped_dot(scores(i), softmax_scale, softcap, sm80::FastSoftcapTanh{});
+    }
   } else {
     CUTE_UNROLL
     for (int i = 0; i < cute::size(scores); ++i) scores(i) = capped_dot(scores(i), softmax_scale, 0.0f);
