@@ -593,10 +593,11 @@ def test_deterministic_dbias_is_bit_identical(shape):
 
 
 # The sm90 forward with an additive bias and/or a boolean mask (the default; JAX_FLASH_SM90_DENSE=0 turns it off).
-# Forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90) so that a refusal fails the test; same references as the sm80 tests.
+# Forced to sm90 (JAX_FLASH_CUDA_KERNEL=sm90) with JAX_FLASH_SM90_DENSE unset, so that a refusal of the default
+# fails the test; same references as the sm80 tests.
 def use_sm90_dense(monkeypatch, head_dim: int):
     use_forward_kernel(monkeypatch, "sm90", head_dim)
-    monkeypatch.setenv("JAX_FLASH_SM90_DENSE", "1")
+    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
 
 
 @pytest.mark.parametrize("shape", GPU_BIAS_SHAPES, ids=str)
@@ -688,14 +689,6 @@ def test_sm90_dense_matches_sm80_closely(monkeypatch):
     check_forward_on_gpu(case, mask=mask)  # JAX_FLASH_SM90_DENSE=1 still set: the sm90 result (host mask: the
     # check also runs the CPU handler)
 
-
-def test_sm90_dense_is_the_default(monkeypatch):
-    """Without JAX_FLASH_SM90_DENSE, a forced-sm90 padding-mask call runs (no refusal) and is correct."""
-    if not _is_hopper():
-        pytest.skip("needs a compute capability 9.x GPU")
-    use_forward_kernel(monkeypatch, "sm90", DENSE_CASE.head_dim)
-    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
-    check_forward_on_gpu(DENSE_CASE, mask=_padding_mask([203, 90], DENSE_CASE.seqlen_k))
 
 
 @pytest.mark.parametrize("dense", ("bias", "mask"))

@@ -34,27 +34,24 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
   atomicAdd(address + 1, b);
 }
 
-// Adds a (query rows x head-dim columns) dQ accumulator to dq_accum: rows m0 + row of query head `head`, columns
-// col0 + col; rows at or past `rows_in_bounds` and columns at or past head_dim are skipped. `coords` is the
-// identity tensor partitioned like `acc`. Both mma.sync (sm80) and WGMMA (sm90) accumulators hold two adjacent
-// columns of one row in consecutive registers, so each pair is one reduction; an even head_dim makes every pair
-// 8-byte aligned (row starts and col0 + col are even). An odd head_dim leaves a last column without its pair.
-// kEvenHeadDim: the caller guarantees an even head_dim (sm90: a multiple of 8), so those checks compile away
-// (they cost the sm90 fused kernel 16 more bytes of spills per thread).
-template <bool kEvenHeadDim, class Acc, class Coords>
+// Adds a (query rows x head-dim columns) dQ accumulator to dq_accum: rows m0 + row of query head `head`; rows at
+// or past `rows_in_bounds` and columns at or past head_dim are skipped. `coords` is the identity tensor
+// partitioned like `acc`. mma.sync accumulators hold two adjacent columns of one row in consecutive registers, so
+// each pair is one reduction; an even head_dim makes every pair 8-byte aligned (row starts and columns are even).
+// An odd head_dim leaves a last column without its pair.
+template <class Acc, class Coords>
 __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, const Acc& acc, const Coords& coords,
-                                            int64_t batch, int64_t head, int64_t m0, int col0,
-                                            int64_t rows_in_bounds) {
+                                            int64_t batch, int64_t head, int64_t m0, int64_t rows_in_bounds) {
   const sm80::BshdShape q_shape = sm80::query_shape(p);
-  float* tile = p.dq_accum + q_shape.offset(batch, m0, head) + col0;
-  const int cols_in_bounds = static_cast<int>(p.head_dim) - col0;
-  const bool pairs_aligned = kEvenHeadDim || p.head_dim % 2 == 0;
+  float* tile = p.dq_accum + q_shape.offset(batch, m0, head);
+  const int cols_in_bounds = static_cast<int>(p.head_dim);
+  const bool pairs_aligned = p.head_dim % 2 == 0;
   CUTE_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
     const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
     if (row >= rows_in_bounds || col >= cols_in_bounds) continue;
     float* address = tile + row * q_shape.row_stride() + col;
-    if (kEvenHeadDim || col + 1 < cols_in_bounds) {
+    if (col + 1 < cols_in_bounds) {
       reduce_add_pair(address, acc(i), acc(i + 1), pairs_aligned);
     } else {
       atomicAdd(address, acc(i));
@@ -64,13 +61,18 @@ __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, co
 
 constexpr int kDqConvertThreads = 256;
 
+// Floats in sm80's layout of the workspace (like q; sm90's tile layout is larger, common/dq_workspace.h).
+__host__ __device__ inline int64_t dq_elements(const AttentionBackwardParams& p) {
+  return p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+}
+
 // sm80's layout (like q): dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's
 // element type, grid-stride over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device
 // function so that each family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel
 // instantiated in translation units built for different architectures would be registered twice).
 template <class T>
 __device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) {
-  const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  const int64_t count = dq_elements(p);
   const bool aligned = reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0;
   const int64_t vector_count = aligned ? count / 4 : 0;
   const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum);

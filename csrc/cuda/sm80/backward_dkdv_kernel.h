@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor acc_dq = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
-      add_dq_tile<false>(p, acc_dq, dq_coords, cta.batch, head, m0, 0, min(int64_t(kBlockM), valid_q - m0));
+      add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, min(int64_t(kBlockM), valid_q - m0));
     }
   };
 

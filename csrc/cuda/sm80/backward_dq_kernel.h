@@ -2,9 +2,10 @@
 // key tiles (picked as in the forward), recomputing S and dP and keeping dQ in registers, so dQ is formed in one
 // fixed order with no atomics. Recomputing costs two GEMMs per tile, yet on the H200 (d=128, seqlen 4k) this
 // pass plus the dK/dV pass ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the
-// dK/dV pass (228 vs 204 TFLOP/s), and it is deterministic for free. That fused form is an opt-in again
-// (kFusedDq in backward_dkdv_kernel.h), to be measured. The general variant also hands each dS to dbias
-// (DbiasMode; backward_launch.h decides).
+// dK/dV pass (228 vs 204 TFLOP/s), and it is deterministic for free. A later fused form (kFusedDq in
+// backward_dkdv_kernel.h, 8-byte reductions) measured 233 vs 223 and is now the default of non-deterministic
+// common-variant calls with 64 < head_dim <= 128; this pass serves the rest. The general variant also hands each
+// dS to dbias (DbiasMode; backward_launch.h decides).
 #pragma once
 
 #include <cmath>

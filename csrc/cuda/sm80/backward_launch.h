@@ -102,7 +102,7 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
   if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p)) {
-    const int64_t count = p.batch * p.seqlen_q * p.heads_q * p.head_dim;  // like q: the workspace's first part
+    const int64_t count = dq_elements(p);  // like q: the workspace's first part
     return run_fused_dq(
         p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },
         dq_from_accum_kernel<Element>, ceil_div(count, 4 * kDqConvertThreads), "sm80");

@@ -16,7 +16,7 @@
 #                bit-identical outputs)
 #   dense90      the bias/mask forwards: the standalone grid with JAX_FLASH_SM90_DENSE=0 (sm80), then through the
 #                sm90 dense form (the default) per-tile and persistent (3 CTAs), and the three sanitizers on `--small`
-#                both ways        dense90_bench  --bench (its padding-mask row times the forward both ways)
+#                both ways (bench_cuda's padding-mask row times that forward both ways)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (-v lists each failure as it happens, so a timed-out run still names them)
 #   sharding     the ring/sharding tests on every GPU of the machine
@@ -165,7 +165,8 @@ ncu_bwd() {
 }
 
 # Which kernels a feature forward through JAX runs and how long each takes (feature_forward_probe.py: plain,
-# padding mask as a closure constant and as an argument, softcap): one line per kernel launch, after warm-up.
+# padding mask as a closure constant and as an argument, softcap): the first 40 forward-kernel launches, warm-up
+# calls included (the kernel's template arguments name its form).
 ncu_features() {
   (cd /tmp && ncu --kernel-name regex:forward --launch-skip 0 --launch-count 40 --section SpeedOfLight \
      python3 "$repo/csrc/cuda/tests/feature_forward_probe.py" --reps 2) > "$out/ncu_features_full.log" 2>&1 || return 1
@@ -187,7 +188,6 @@ run_stage() {
     persistent) stage persistent 300 persistent ;;
     persistent_bench) stage persistent_bench 120 "$check" --bench-persistent ;;
     dense90) stage dense90 360 dense90 ;;
-    dense90_bench) stage dense90_bench 90 "$check" --bench ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;

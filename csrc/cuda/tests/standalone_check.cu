@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -331,8 +332,9 @@ bool device_is_hopper() {
   return major == 9;
 }
 
-// Whether this case's forward is forced to the sm90 kernel: unless JAX_FLASH_SM90_DENSE=0, on a 9.x GPU, every case with a bias and/or mask that the sm90 forward can take (dispatch.cu sm90_forward_refusal: no
-// dropout, head_dim a multiple of 8 and at most 256).
+// Whether this case's forward is forced to the sm90 kernel: unless JAX_FLASH_SM90_DENSE=0, on a 9.x GPU, every case
+// with a bias and/or mask that the sm90 forward can take (dispatch.cu sm90_forward_refusal: no dropout, head_dim a
+// multiple of 8 and at most 256).
 bool sm90_dense_forward(const Case& c) {
   const char* dense = std::getenv("JAX_FLASH_SM90_DENSE");
   if (dense != nullptr && std::string(dense) == "0") return false;
@@ -460,14 +462,13 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.v = to_device(v.bits);
   p.o = poisoned<uint16_t>(nq);
   p.lse = poisoned<float>(nstat);
-  std::string err;
+  std::optional<ScopedEnv> forced;
   if (sm90_dense_forward(c)) {
-    const ScopedEnv forced("JAX_FLASH_CUDA_KERNEL", "sm90");
+    forced.emplace("JAX_FLASH_CUDA_KERNEL", "sm90");
     std::printf("    [forward: sm90 dense form]\n");
-    err = jax_flash::cuda::run_forward(p, nullptr);
-  } else {
-    err = jax_flash::cuda::run_forward(p, nullptr);
   }
+  std::string err = jax_flash::cuda::run_forward(p, nullptr);
+  forced.reset();
   if (!err.empty()) {
     std::printf("    run_forward: %s  FAIL\n", err.c_str());
     return false;
