@@ -86,7 +86,7 @@ def fused_dq_requested() -> bool:
 # item took 64 bulk row reductions); set it to 64 once the Hopper one-reduction-per-item form measures faster than
 # the separate pass at d=64 (standalone --bench "bwd with dq_accum" vs "bwd", JAX_FLASH_BENCH_HEAD_DIMS=64).
 # sm80 then fuses d=64 too (never measured there).
-_FUSED_DQ_MIN_HEAD_DIM = 65
+_FUSED_DQ_MIN_HEAD_DIM = 64
 
 # Query rows of one tile of the dq_accum workspace: csrc/common/dq_workspace.h kDqWorkspaceTileRows.
 _DQ_WORKSPACE_TILE_ROWS = 64

@@ -41,13 +41,21 @@ struct IgnoreHidden {
   __device__ void operator()(int, int) const {}
 };
 
-// tanh(s / softcap) in the half-precision kernels: a fast division and one MUFU.TANH (tanh.approx.f32, relative
-// error about 2^-11, below the rounding of a bf16/fp16 logit). tanhf and an IEEE division per element are long
-// FMA-pipe sequences: the sm90 softcap forward measured 146 TFLOP/s against 621 without softcap (d=128 4k).
+// tanh(s / softcap) in the half-precision kernels: s times the reciprocal (taken once per tile, by of()) and one
+// MUFU.TANH (tanh.approx.f32, relative error about 2^-11, below the rounding of a bf16/fp16 logit). A softcap score
+// then costs two MUFU operations (this and the softmax's EX2) instead of three with a division per element; tanhf
+// and an IEEE division are long FMA-pipe sequences (the sm90 softcap forward measured 146 TFLOP/s with them
+// against 621 without softcap, d=128 4k). Forward and backward both build theirs with of(), so they compute the
+// same logits bit for bit (P must match the forward's lse).
 struct FastSoftcapTanh {
-  __device__ __forceinline__ float operator()(float s, float softcap) const {
+  float inverse;  // 1 / softcap
+
+  __device__ __forceinline__ static FastSoftcapTanh of(float softcap) {
+    return {softcap > 0.0f ? __frcp_rn(softcap) : 0.0f};  // correctly rounded, without the division's slow path
+  }
+  __device__ __forceinline__ float operator()(float s, float /*softcap*/) const {
     float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(__fdividef(s, softcap)));
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s * inverse));
     return t;
   }
 };
@@ -56,7 +64,13 @@ struct FastSoftcapTanh {
 // kernel parameters (constant bank) and a few cached loads, and the registers go to the accumulators instead.
 // kReadsBiasOrMask = false (general variant only) compiles no bias or boolean-mask reads, for a kernel form that
 // never gets them (the sm90 forward's softcap/ALiBi form: sm90/forward_variant.h).
-template <bool kGeneral, bool kReadsBiasOrMask = kGeneral>
+//
+// kUnswitchSoftcap compiles the tile loop twice, with and without the softcap, instead of testing it in every
+// element: the sm90 forward's feature forms take it (their spills did not change, d=128), on the theory that a
+// branch per element cuts the unrolled loop into blocks the scheduler cannot interleave (not measured apart: the
+// sixth session changed this together with the reciprocal and the float ALiBi distance). The sm80 kernels keep one
+// loop: two raised their spills (d=128, sm_90a: general forward 244/424 -> 392/724 bytes of stores/loads).
+template <bool kGeneral, bool kReadsBiasOrMask = kGeneral, bool kUnswitchSoftcap = false>
 struct ScoreTile {
   static_assert(kGeneral || !kReadsBiasOrMask, "bias and boolean mask are general-variant work");
 
@@ -87,7 +101,31 @@ struct ScoreTile {
   template <bool kCheckMask, class Acc, class Coords, class OnVisible = IgnoreVisible, class OnHidden = IgnoreHidden>
   __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0, OnVisible on_visible = {},
                         OnHidden on_hidden = {}) const {
-    if constexpr (!kCheckMask && !kGeneral) return;
+    if constexpr (kGeneral && kUnswitchSoftcap) {
+      if (softcap > 0.0f) {
+        apply_with<kCheckMask, Softcap::kOn>(acc, coords, row0, col0, on_visible, on_hidden);
+      } else {
+        apply_with<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
+      }
+    } else if constexpr (kGeneral || kCheckMask) {
+      apply_with<kCheckMask, kGeneral ? Softcap::kTested : Softcap::kOff>(acc, coords, row0, col0, on_visible,
+                                                                          on_hidden);
+    }
+  }
+
+  // Tile-local column limits: anything outside [-1, 2^30] behaves the same for a tile narrower than 2^30.
+  __device__ static int clamp_to_int(int64_t x) {
+    return static_cast<int>(x < -1 ? -1 : (x > (1 << 30) ? (1 << 30) : x));
+  }
+
+ private:
+  // Where the softcap test sits: kTested, in every visible element (one copy of the tile loop); kOn / kOff, in
+  // apply (kUnswitchSoftcap: a copy of the loop each, no branch per element).
+  enum class Softcap { kOff, kOn, kTested };
+
+  template <bool kCheckMask, Softcap kSoftcap, class Acc, class Coords, class OnVisible, class OnHidden>
+  __device__ __forceinline__ void apply_with(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
+                                             OnVisible& on_visible, OnHidden& on_hidden) const {
     auto scores = as_rows_cols(acc);
     auto score_coords = as_rows_cols(coords);
     const int64_t first_col = col0 + cute::get<1>(score_coords(0, 0));
@@ -110,9 +148,13 @@ struct ScoreTile {
         mask_col_stride = static_cast<int>(mask.mask_strides.key);
       }
     }
+    const FastSoftcapTanh softcap_tanh = FastSoftcapTanh::of(kSoftcap == Softcap::kOff ? 0.0f : softcap);
     CUTE_UNROLL
     for (int r = 0; r < cute::size<0>(scores); ++r) {
       const int64_t row = row0 + cute::get<0>(score_coords(r, 0));
+      // ALiBi's distance row + diagonal_shift - col of this row's first column; an element's is this minus its
+      // compile-time offset, in float.
+      const float first_distance = static_cast<float>(row + mask.diagonal_shift - first_col);
       const int begin = clamp_to_int(mask.key_begin(row) - first_col);
       const int end = clamp_to_int(mask.key_end(row) - first_col);
       const bool segments = kCheckMask && mask.q_segment_ids != nullptr && row < mask.valid_q;
@@ -132,10 +174,28 @@ struct ScoreTile {
             scores(r, c) = -INFINITY;
             on_hidden(r, c);
           } else {
-            float dscore_ddot;
-            const float bias =
-                bias_origin != nullptr ? bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : 0.0f;
-            scores(r, c) = transform(scores(r, c), row, col, &dscore_ddot) + bias;
+            float dscore_ddot = 1.0f;
+            float s;
+            if constexpr (kSoftcap == Softcap::kTested) {
+              // score_pipeline.h's transform_score itself (its branches per element and 64-bit ALiBi distance):
+              // the sm80 kernels' registers are tight, and the unswitched form's arithmetic below raised their
+              // spills (d=128 general forward 244/424 -> 392/648 bytes).
+              s = transform_score(scores(r, c), softmax_scale, softcap, mask.alibi_slope, row, col,
+                                  mask.diagonal_shift, &dscore_ddot, softcap_tanh);
+            } else {
+              // transform_score without a branch per element: the softcap is compiled in or out, and the ALiBi
+              // term is always there (the slope is 0 without ALiBi, and s - 0 * |distance| = s); the distance, in
+              // float, is exact below 2^24, so the term is transform_score's slope * float(|distance|).
+              s = scores(r, c) * softmax_scale;
+              if constexpr (kSoftcap == Softcap::kOn) {
+                const float t = softcap_tanh(s, softcap);
+                s = softcap * t;
+                dscore_ddot = 1.0f - t * t;
+              }
+              s -= mask.alibi_slope * fabsf(first_distance - static_cast<float>(offset));
+            }
+            scores(r, c) =
+                bias_origin != nullptr ? s + bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : s;
             on_visible(r, c, row, col, dscore_ddot);
           }
         }
@@ -143,16 +203,6 @@ struct ScoreTile {
     }
   }
 
-  // Tile-local column limits: anything outside [-1, 2^30] behaves the same for a tile narrower than 2^30.
-  __device__ static int clamp_to_int(int64_t x) {
-    return static_cast<int>(x < -1 ? -1 : (x > (1 << 30) ? (1 << 30) : x));
-  }
-
-  // scale -> softcap -> ALiBi (the bias is added by apply, after it, as in score_pipeline.h).
-  __device__ __forceinline__ float transform(float dot, int64_t row, int64_t col, float* dscore_ddot) const {
-    return transform_score(dot, softmax_scale, softcap, mask.alibi_slope, row, col, mask.diagonal_shift,
-                           dscore_ddot, FastSoftcapTanh{});
-  }
 };
 
 }  // namespace jax_flash::cuda::sm80

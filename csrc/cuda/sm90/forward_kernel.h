@@ -367,7 +367,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   // Scores of tile n_block in place: raw dots -> masked / transformed scores, reading bias and mask elements where
   // `reads` (a std::bool_constant) says so.
   auto score_with = [&](auto reads, auto& acc_s, int n_block, bool read_boolean_mask) {
-    using Scorer = sm80::ScoreTile<transforms_scores(kVariant), decltype(reads)::value>;
+    using Scorer = sm80::ScoreTile<transforms_scores(kVariant), decltype(reads)::value, true>;
     auto view = sm80_view(acc_s);
     const auto scorer = Scorer::make(p, rb.batch, rb.head, read_boolean_mask);
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {

@@ -28,9 +28,10 @@ namespace jax_flash::cuda::sm90 {
 template <class Scores>
 __device__ __forceinline__ void cap_scores(Scores&& scores, float softmax_scale, float softcap) {
   if (softcap > 0.0f) {
+    const sm80::FastSoftcapTanh softcap_tanh = sm80::FastSoftcapTanh::of(softcap);
     CUTE_UNROLL
     for (int i = 0; i < cute::size(scores); ++i) {
-      scores(i) = capped_dot(scores(i), softmax_scale, softcap, sm80::FastSoftcapTanh{});
+      scores(i) = capped_dot(scores(i), softmax_scale, softcap, softcap_tanh);
     }
   } else {
     CUTE_UNROLL

@@ -25,6 +25,7 @@
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
 #   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
+#   ncu_forms    Nsight Compute detail (pipes, stalls, issue) of one launch of each Hopper forward form through JAX
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
@@ -173,6 +174,22 @@ ncu_features() {
   grep -E "TFLOP/s|forward_kernel|Duration" "$out/ncu_features_full.log"
 }
 
+# Why the Hopper forward's feature forms run slower than its common form: Nsight Compute's pipe use, warp stall
+# reasons and issue statistics of one launch (after a warm-up) of each form through JAX (feature_forward_probe.py
+# --only: plain = common form, padding_mask = dense form, softcap and alibi = transforms form).
+ncu_forms() {
+  local name
+  for name in plain padding_mask softcap alibi; do
+    echo "== $name"
+    (cd /tmp && ncu --kernel-name regex:forward_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+       --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section LaunchStats \
+       --section InstructionStats python3 "$repo/csrc/cuda/tests/feature_forward_probe.py" --reps 2 --only $name) \
+       > "$out/ncu_forms_$name.log" 2>&1 || return 1
+    grep -iE "forward_kernel<|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Executed Ipc A|stall|spends|pipe|Registers Per|Local" \
+      "$out/ncu_forms_$name.log" | head -n 30
+  done
+}
+
 if [ "${1:-}" = __function ]; then
   shift
   "$@"
@@ -196,6 +213,7 @@ run_stage() {
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
+    ncu_forms) stage ncu_forms 150 ncu_forms ;;
     probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;

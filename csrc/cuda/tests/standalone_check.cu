@@ -731,6 +731,8 @@ template <class Params>
 Params square_bf16_problem(int64_t B, int64_t S, int64_t H, int64_t D, bool causal) {
   Params p{};
   p.batch = B;
+  p.inner_batch = B;  // no vmap axes: the mask's batch stride applies (left at 1, batch row b read slice b * outer,
+                      // past the mask and its summary)
   p.seqlen_q = p.seqlen_k = S;
   p.heads_q = p.heads_kv = H;
   p.head_dim = D;
