@@ -73,7 +73,7 @@ FUSED_DQ_ENV = "JAX_FLASH_FUSED_DQ"
 def fused_dq_requested() -> bool:
     """Whether the backward may sum dQ inside its dK/dV pass (float32 reductions into a workspace, see
     ``dq_workspace_shape``) instead of a separate dQ pass that recomputes S and dP. ``JAX_FLASH_FUSED_DQ`` (read
-    when a backward is traced): unset or ``1`` (the default: measured 4-8% faster on the H200 for both kernel families,
+    when a backward is traced): unset or ``1`` (the default: measured faster on the H200 for both kernel families,
     benchmarks/NOTES.md), ``0`` for the separate pass.
     """
     value = os.environ.get(FUSED_DQ_ENV, "")

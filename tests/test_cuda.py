@@ -274,8 +274,8 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     loads and pairs that are not 8-byte aligned), d=256 (no workspace). Softcap and ALiBi: the sm90 transforms
     form fuses dQ like the common form; sm80's general variant always runs its dQ pass. head_dim < 64 and > 128 get
     no workspace (jax_flash/_ffi_calls.py), so both modes run that pass.
-    Fused here includes head_dim 64 (_FUSED_DQ_MIN_HEAD_DIM lowered to 64) although the default keeps d=64 on the
-    separate pass until measured, so that the d=64 fused forms stay tested."""
+    Fused here includes head_dim 64 (_FUSED_DQ_MIN_HEAD_DIM set to 64, the default since the sixth session), so
+    that the d=64 fused forms stay tested should the default move back."""
     from jax_flash import _ffi_calls
 
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)

@@ -4,8 +4,8 @@
 // pass plus the dK/dV pass ran 11% faster than accumulating dS K into a float32 workspace with atomics inside the
 // dK/dV pass (228 vs 204 TFLOP/s), and it is deterministic for free. A later fused form (kFusedDq in
 // backward_dkdv_kernel.h, 8-byte reductions) measured 233 vs 223 and is now the default of non-deterministic
-// common-variant calls with 64 < head_dim <= 128; this pass serves the rest. The general variant also hands each
-// dS to dbias (DbiasMode; backward_launch.h decides).
+// common-variant calls with head_dim <= 128 (jax_flash/_ffi_calls.py); this pass serves the rest. The general
+// variant also hands each dS to dbias (DbiasMode; backward_launch.h decides).
 #pragma once
 
 #include <cmath>

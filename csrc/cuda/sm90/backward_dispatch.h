@@ -6,9 +6,8 @@
 //      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=64, d=128): dQ is summed into it by the dK/dV pass
 //      (zeroed first), one bulk reduction per item into its tile-major layout, and one pass scales and converts it
 //      (dq_staging.h dq_from_tiles). Otherwise the dQ pass recomputes S and dP: no atomics anywhere,
-//      bit-reproducible. Fused is the default at d=128 since its dQ tile went through shared memory and bulk
-//      reductions: d=128 4k on the H200 449 vs 421 TFLOP/s, causal 388 vs 359 with one reduction per row
-//      (benchmarks/NOTES.md).
+//      bit-reproducible. Fused is the default at d=64 and d=128: with one bulk reduction per item, d=128 4k on the
+//      H200 473 vs 413 TFLOP/s (causal 397 vs 352), d=64 through JAX 0-9% faster (benchmarks/NOTES.md).
 // The transforms form exists only where has_transforms_form (not at d=256; dispatch.cu refuses those calls).
 // The dispatcher routes here only calls without bias, boolean mask or dropout, with softmax_scale > 0,
 // head_dim % 8 == 0, 16-byte aligned operands and non-empty sequences (dispatch.cu sm90_backward_refusal).
