@@ -344,7 +344,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const AttentionBackwardParams& p = args.p;
 
   const KeyBlock kb = locate_key_block<Traits>(p);
-  if (next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items) {  // no query sees these keys
+  // No query sees these keys (by position, or in the masked form by the mask summary): dK = dV = 0.
+  if (next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items) {
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
     store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
     store_key_rows<Traits, NoStage>(p, kb, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
