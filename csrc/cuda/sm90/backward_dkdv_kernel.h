@@ -130,7 +130,9 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
     if constexpr (reads_boolean_mask(kForm)) {
       if (lane == 0) {
         smem.stage_item[write.index()] = item;
-        smem.stage_reads_mask[write.index()] = blocks.template cover<Traits>(kb, item) != MaskCover::kVisible;
+        smem.stage_mask_tile[write.index()] = blocks.template cover<Traits>(kb, item) == MaskCover::kVisible
+                                                  ? nullptr
+                                                  : tile_mask_origin(p, kb.batch, head, m0, kb.n0);
       }
     }
     pipeline.producer_commit(write);
@@ -217,19 +219,21 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   // `visit` counts the items walked (dS buffers and dQ barrier phases alternate with it); `item` names the tile.
-  // Masked form: the consumers count the visited items up front and take each one's index, and whether it reads
-  // mask elements, from its row-stats stage (produce_row_stats walks the mask summary): walking it here, in the
-  // loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread).
+  // Masked form: the consumers count the visited items up front and take each one's index, and its mask tile
+  // where it reads mask elements, from its row-stats stage (produce_row_stats walks the mask summary): walking it
+  // here, in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and so did the mask tile's
+  // address arithmetic.
   const int visits = visited_items<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb));
   for (int visit = 0; visit < visits; ++visit) {
     const int stage = read.index();
     int item = visit;
-    [[maybe_unused]] bool read_mask_elements = false;
+    [[maybe_unused]] const bool* mask_tile = nullptr;
     if constexpr (reads_boolean_mask(kForm)) {
       pipeline_stats.consumer_wait(read);
       item = smem.stage_item[stage];
-      read_mask_elements = smem.stage_reads_mask[stage] != 0;
+      mask_tile = smem.stage_mask_tile[stage];
     }
+    [[maybe_unused]] const bool read_mask_elements = mask_tile != nullptr;
     const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
     // Transforms and masked forms: ALiBi's slope is the item's query head's (it changes along a GQA group); loaded
     // before the GEMMs so that they hide its latency.
@@ -244,8 +248,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     if constexpr (reads_boolean_mask(kForm)) {
       if (read_mask_elements) {
         mask_bits = MaskBitsFor<decltype(coords)>::template gather</*kTransposed=*/true>(
-            boolean_mask_slice(p, kb.batch, kb.head(item)), p.mask_strides, coords, m0, kb.n0, p.seqlen_q,
-            p.seqlen_k);
+            mask_tile, p.mask_strides, coords, static_cast<int>(p.seqlen_q - m0), kb.keys_in_bounds);
       }
     }
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});

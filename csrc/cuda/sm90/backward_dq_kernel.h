@@ -156,8 +156,8 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
     if constexpr (reads_boolean_mask(kForm)) {
       if (read_mask_elements) {
         mask_bits = decltype(mask_bits)::template gather</*kTransposed=*/false>(
-            boolean_mask_slice(p, rb.batch, rb.head), p.mask_strides, sm80::as_rows_cols(coords), rb.m0, n0,
-            p.seqlen_q, p.seqlen_k);
+            tile_mask_origin(p, rb.batch, rb.head, rb.m0, n0), p.mask_strides, sm80::as_rows_cols(coords),
+            rb.rows_in_bounds, static_cast<int>(min(int64_t(kBlockN), p.seqlen_k - n0)));
       }
     }
     pipeline_kv.consumer_wait(read);

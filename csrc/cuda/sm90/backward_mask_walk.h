@@ -36,10 +36,14 @@ struct ItemMaskBlocks {
     static_assert(Traits::kBlockM == kMaskBlock && Traits::kBlockN % kMaskBlock == 0,
                   "an item's query tile is one block row, its key tile whole block columns");
     ItemMaskBlocks m;
-    const SliceMaskBlocks slice = make_slice_mask_blocks(p, kb.batch, kb.head_kv * kb.group);
+    // Built from opaque copies of the block's coordinates (batch < 2^31: dispatch.cu), so that each role computes
+    // its own rather than the compiler keeping the kernel entry's (its emptiness check) live into every role,
+    // through the producers' 32 registers.
+    const int64_t batch = opaque(static_cast<int>(kb.batch));
+    const SliceMaskBlocks slice = make_slice_mask_blocks(p, batch, kb.head_kv * kb.group);
     m.unsummarised = slice.unsummarised;
     if (slice.blocks == nullptr) return m;
-    const int64_t k0 = kb.n0 / kMaskBlock;
+    const int64_t k0 = opaque(static_cast<int>(kb.n0 / kMaskBlock));
     m.first = slice.blocks + k0 * slice.key_stride;
     m.head_step = static_cast<int>(p.mask_blocks_strides.head);
     m.query_step = static_cast<int>(slice.query_stride);

@@ -152,8 +152,10 @@ struct DkdvTraits {
     alignas(128) float dq[kBlockM * kHeadDim];                      // fused dQ only
     float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
     float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
-    int stage_item[kStages];            // masked form: the item whose row stats the stage holds, and
-    int stage_reads_mask[kStages];      //   whether it reads mask elements (backward_dkdv_kernel.h)
+    // Masked form: the item whose row stats the stage holds, its mask tile's origin element where the item reads
+    // mask elements, else null (backward_dkdv_kernel.h).
+    int stage_item[kStages];
+    const bool* stage_mask_tile[kStages];
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load

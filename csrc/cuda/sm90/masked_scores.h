@@ -17,11 +17,13 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// The boolean mask of slice (batch, head): element (query, key) at [query * strides.query + key * strides.key]
-// (the pointer make_slice_mask forms, without the rest of the SliceMask, for a kernel that needs only this one).
-__device__ __forceinline__ const bool* boolean_mask_slice(const AttentionParams& p, int64_t batch, int64_t head) {
+// The boolean mask's element (query0, key0) of slice (batch, head), a tile's origin (the pointer make_slice_mask
+// forms, without the rest of the SliceMask, for a kernel that needs only this one).
+__device__ __forceinline__ const bool* tile_mask_origin(const AttentionParams& p, int64_t batch, int64_t head,
+                                                        int64_t query0, int64_t key0) {
   const BroadcastStrides& s = p.mask_strides;
-  return p.mask + (batch / p.inner_batch) * s.outer + (batch % p.inner_batch) * s.batch + head * s.head;
+  return p.mask + (batch / p.inner_batch) * s.outer + (batch % p.inner_batch) * s.batch + head * s.head +
+         query0 * s.query + key0 * s.key;
 }
 
 // One bit per score element of this thread's share of a tile: whether its mask element lets the query see the key.
@@ -33,14 +35,14 @@ template <int kElements>
 struct MaskBits {
   uint32_t words[(kElements + 31) / 32];
 
-  // coords: rows_cols view of (row, column) within the tile (kTransposed: rows are keys and columns queries, else
-  // the reverse); query0 / key0: the tile's origin. Elements at or past seqlen_q / seqlen_k are not read (their bit
-  // is 0: the position masks hide them anyway). Offsets from the thread's first element are compile-time multiples
-  // of 32-bit strides, as in sm80::ScoreTile (a tile's query rows times the query stride stays below 2^31).
+  // tile: the mask element of the tile's origin (tile_mask_origin); coords: rows_cols view of (row, column) within
+  // the tile (kTransposed: rows are keys and columns queries, else the reverse); queries / keys: how many of the
+  // tile's rows and columns lie inside the sequences. The elements past them are not read (their bit is 0: the
+  // position masks hide them anyway). Offsets are compile-time multiples of 32-bit strides, as in sm80::ScoreTile
+  // (dispatch.cu refuses strides whose sum reaches 2^23).
   template <bool kTransposed, class Coords>
-  __device__ __forceinline__ static MaskBits gather(const bool* slice, const BroadcastStrides& strides,
-                                                    Coords const& coords, int64_t query0, int64_t key0,
-                                                    int64_t seqlen_q, int64_t seqlen_k) {
+  __device__ __forceinline__ static MaskBits gather(const bool* tile, const BroadcastStrides& strides,
+                                                    Coords const& coords, int queries, int keys) {
     static_assert(decltype(cute::size(coords))::value == kElements);
     auto query_of = [&](int r, int c) {
       if constexpr (kTransposed) {
@@ -57,12 +59,9 @@ struct MaskBits {
       }
     };
     const int first_query = query_of(0, 0), first_key = key_of(0, 0);
-    const int64_t query = query0 + first_query, key = key0 + first_key;
-    const bool* origin = slice + query * strides.query + key * strides.key;
     const int query_stride = static_cast<int>(strides.query), key_stride = static_cast<int>(strides.key);
-    // Elements left in range from the first one (a tile is far narrower than 2^30).
-    const int queries_left = static_cast<int>(min(seqlen_q - query, int64_t{1} << 30));
-    const int keys_left = static_cast<int>(min(seqlen_k - key, int64_t{1} << 30));
+    const bool* origin = tile + (first_query * query_stride + first_key * key_stride);
+    const int queries_left = queries - first_query, keys_left = keys - first_key;
     MaskBits bits;
     CUTE_UNROLL
     for (int w = 0; w < int(sizeof(words) / sizeof(words[0])); ++w) bits.words[w] = 0;
