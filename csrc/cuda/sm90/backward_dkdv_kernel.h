@@ -23,6 +23,7 @@
 // backward_dkdv_split_consumer.h instead (no fused dQ there).
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include <cute/tensor.hpp>
@@ -102,8 +103,8 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
 }
 
 // Producer warp 1: lse (as log2, +inf for rows without a visible key) and softmax_d of every item's rows; in the
-// masked form also the item itself, so that the consumers need not walk the mask summary (see
-// consume_query_tiles).
+// masked form also the item itself and its mask tile, and after the last item one more stage whose item is -1
+// (the end), so that the consumers need not walk the mask summary (see consume_query_tiles).
 template <class Traits, BackwardForm kForm>
 __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlock& kb,
                                   typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline) {
@@ -137,6 +138,14 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
     }
     pipeline.producer_commit(write);
     ++write;
+  }
+  if constexpr (reads_boolean_mask(kForm)) {
+    pipeline.producer_acquire(write);
+    if (lane == 0) {
+      smem.stage_item[write.index()] = -1;
+      smem.stage_mask_tile[write.index()] = nullptr;
+    }
+    pipeline.producer_commit(write);
   }
 }
 
@@ -219,11 +228,11 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   // `visit` counts the items walked (dS buffers and dQ barrier phases alternate with it); `item` names the tile.
-  // Masked form: the consumers count the visited items up front and take each one's index, and its mask tile
-  // where it reads mask elements, from its row-stats stage (produce_row_stats walks the mask summary): walking it
-  // here, in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and so did the mask tile's
-  // address arithmetic.
-  const int visits = visited_items<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb));
+  // Masked form: the consumers take each item's index, and its mask tile where it reads mask elements, from its
+  // row-stats stage, until the stage that marks the end (produce_row_stats walks the mask summary). Walking it here,
+  // in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and counting the items up front
+  // would cost one dependent summary load per item before the first GEMM.
+  const int visits = reads_boolean_mask(kForm) ? INT_MAX : kb.items;
   for (int visit = 0; visit < visits; ++visit) {
     const int stage = read.index();
     int item = visit;
@@ -232,6 +241,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       pipeline_stats.consumer_wait(read);
       item = smem.stage_item[stage];
       mask_tile = smem.stage_mask_tile[stage];
+      if (item < 0) break;  // the end mark: no Q/dO stage goes with it
     }
     [[maybe_unused]] const bool read_mask_elements = mask_tile != nullptr;
     const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;

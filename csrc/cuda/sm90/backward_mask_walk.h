@@ -93,21 +93,6 @@ __device__ __forceinline__ int next_item(const KeyBlock& kb, const ItemMaskBlock
   }
 }
 
-// dK/dV kernel: how many items the walk visits.
-template <class Traits, BackwardForm kForm>
-__device__ int visited_items(const KeyBlock& kb, const ItemMaskBlocks& blocks) {
-  if constexpr (reads_boolean_mask(kForm)) {
-    int visits = 0;
-    for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
-         item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
-      ++visits;
-    }
-    return visits;
-  } else {
-    return kb.items;
-  }
-}
-
 // dQ kernel: how the mask covers key tile n_block of row block rb (rebuilt from the parameters at each use, so the
 // consumers hold no summary pointer through their score step).
 template <class Traits, BackwardForm kForm>

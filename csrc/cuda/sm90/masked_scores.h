@@ -1,10 +1,10 @@
 // The masked backward form's per-element boolean-mask reads (backward_form.h), on one accumulator tile in either
 // orientation of the Hopper backward: the dK/dV kernel's transposed tile (rows = keys, columns = queries) and the
-// dQ kernel's tile (rows = queries). They run after the transforms form's score step has capped the dots and the
-// position masks have hidden what they hide, and only on tiles whose mask blocks are partially hidden (a tile the
-// summary shows all visible reads no mask element; one it shows all hidden is never visited:
-// backward_mask_walk.h). A hidden element becomes -inf, from which the transforms form's step makes P = 0 and
-// dS = 0, as the forward (forward_kernel.h, dense form) gave it no weight in its lse.
+// dQ kernel's tile (rows = queries). Only tiles whose mask blocks are partially hidden read elements (a tile the
+// summary shows all visible reads none; one it shows all hidden is never visited: backward_mask_walk.h). The bits
+// are gathered before the tile's GEMMs and applied after the transforms form's softcap and the position masks; a
+// hidden element becomes -inf, from which the transforms form's step makes P = 0 and dS = 0, as the forward
+// (forward_kernel.h, dense form) gave it no weight in its lse.
 #pragma once
 
 #include <cmath>
@@ -33,6 +33,7 @@ __device__ __forceinline__ const bool* tile_mask_origin(const AttentionParams& p
 // the GEMMs instead.
 template <int kElements>
 struct MaskBits {
+  static constexpr int kLoadsInFlight = 16;
   uint32_t words[(kElements + 31) / 32];
 
   // tile: the mask element of the tile's origin (tile_mask_origin); coords: rows_cols view of (row, column) within
@@ -75,6 +76,9 @@ struct MaskBits {
         if (dq < queries_left && dk < keys_left && origin[dq * query_stride + dk * key_stride]) {
           bits.words[i / 32] |= 1u << (i % 32);
         }
+        // At most kLoadsInFlight byte loads before their bits are folded in: all of them at once (up to 64 per
+        // thread in the d=64 dQ kernel) took registers the accumulators need. A compiler barrier, not a wait.
+        if ((i + 1) % kLoadsInFlight == 0 && i + 1 < kElements) asm volatile("" ::: "memory");
       }
     }
     return bits;
