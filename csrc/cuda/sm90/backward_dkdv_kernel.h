@@ -85,20 +85,35 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   Tensor tdOsdO = tma_do.partition_D(sdO);
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   // Items in order: query heads of the group, then query tiles (KeyBlock::head / m_block).
-  const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
-  for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
-       item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
-    const int64_t head = kb.head(item);
-    const int m_block = kb.m_block(item);
-    Tensor tQgQ = tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                               make_coord(_, 0)));  // (TMA, TMA_M, TMA_D, m)
-    Tensor tdOgdO = tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                                  make_coord(_, 0)));
+  auto q_tiles = [&](int64_t head) {  // (TMA, TMA_M, TMA_D, m)
+    return tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                        make_coord(_, 0)));
+  };
+  auto do_tiles = [&](int64_t head) {
+    return tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                         make_coord(_, 0)));
+  };
+  auto load = [&](auto const& tQgQ, auto const& tdOgdO, int m_block) {
     pipeline.producer_acquire(write);
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
     copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
     ++write;
+  };
+  if constexpr (reads_boolean_mask(kForm)) {
+    // The items the mask summary leaves anything visible in (backward_mask_walk.h).
+    const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
+    for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
+         item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
+      load(q_tiles(kb.head(item)), do_tiles(kb.head(item)), kb.m_block(item));
+    }
+  } else {
+    // Every item, the tensors of a query head made once (a walk by item cost the d=256 kernel 28 bytes of spills).
+    for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+      const auto tQgQ = q_tiles(head);
+      const auto tdOgdO = do_tiles(head);
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, kb.m_block(tile));
+    }
   }
 }
 
@@ -111,13 +126,9 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
   const int lane = threadIdx.x % 32;
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::StatsPipeline>();
   // Lean on registers: this warp runs under the producer's setmaxnreg budget.
-  const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
-  for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
-       item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
-    const int64_t head = kb.head(item);
-    const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
-    const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
-    const int m0 = kb.m_block(item) * Traits::kBlockM;
+  // Fills a stage with the rows of query tile m_block (head's lse and softmax_d); `also` writes more into it.
+  auto fill = [&](const float* lse, const float* row_d, int m_block, auto also) {
+    const int m0 = m_block * Traits::kBlockM;
     const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
     pipeline.producer_acquire(write);
     float* lse_log2 = smem.lse_log2[write.index()];
@@ -128,24 +139,38 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
       lse_log2[i] = row_lse == -INFINITY ? INFINITY : row_lse * sm80::kLog2e;
       softmax_d[i] = i < rows ? row_d[m0 + i] : 0.0f;
     }
-    if constexpr (reads_boolean_mask(kForm)) {
-      if (lane == 0) {
-        smem.stage_item[write.index()] = item;
-        smem.stage_mask_tile[write.index()] = blocks.template cover<Traits>(kb, item) == MaskCover::kVisible
-                                                  ? nullptr
-                                                  : tile_mask_origin(p, kb.batch, head, m0, kb.n0);
-      }
-    }
+    also(write.index(), m0);
     pipeline.producer_commit(write);
     ++write;
-  }
+  };
   if constexpr (reads_boolean_mask(kForm)) {
+    const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
+    for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
+         item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
+      const int64_t head = kb.head(item);
+      fill(p.lse + sm80::row_stat_offset(p, kb.batch, head, 0),
+           p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0), kb.m_block(item), [&](int stage, int m0) {
+             if (lane == 0) {
+               smem.stage_item[stage] = item;
+               smem.stage_mask_tile[stage] = blocks.template cover<Traits>(kb, item) == MaskCover::kVisible
+                                                 ? nullptr
+                                                 : tile_mask_origin(p, kb.batch, head, m0, kb.n0);
+             }
+           });
+    }
+    // The end mark.
     pipeline.producer_acquire(write);
     if (lane == 0) {
       smem.stage_item[write.index()] = -1;
       smem.stage_mask_tile[write.index()] = nullptr;
     }
     pipeline.producer_commit(write);
+  } else {
+    for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+      const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
+      const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) fill(lse, row_d, kb.m_block(tile), [](int, int) {});
+    }
   }
 }
 
