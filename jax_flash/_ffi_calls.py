@@ -96,7 +96,7 @@ def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense
     """Whether a backward call gets the dq_accum workspace: only where the kernels can use it, i.e. a call without
     bias or dropout (the sm80 general variant forms dbias in its dQ pass; the Hopper backward runs neither),
     non-deterministic (the order of float adds is not reproducible), half precision (float32 has its own kernels),
-    with _FUSED_DQ_MIN_HEAD_DIM <= head_dim <= 128: where it measured faster (the d=128 kernels). sm80's d=256
+    with _FUSED_DQ_MIN_HEAD_DIM <= head_dim <= 128: where it measured faster (d=64 and d=128). sm80's d=256
     gained nothing (164 vs 162 TFLOP/s) and the Hopper backward has no d=256 fused form, so wider head dims keep the
     separate pass and get no workspace. Softcap, ALiBi and boolean-mask calls get it: the Hopper backward's
     transforms and masked forms fuse dQ like its common form (csrc/cuda/sm90/backward_form.h); where they run the

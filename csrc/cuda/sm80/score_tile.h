@@ -65,11 +65,12 @@ struct FastSoftcapTanh {
 // kReadsBiasOrMask = false (general variant only) compiles no bias or boolean-mask reads, for a kernel form that
 // never gets them (the sm90 forward's softcap/ALiBi form: sm90/forward_variant.h).
 //
-// kUnswitchSoftcap compiles the tile loop twice, with and without the softcap, instead of testing it in every
-// element: the sm90 forward's feature forms take it (their spills did not change, d=128), on the theory that a
-// branch per element cuts the unrolled loop into blocks the scheduler cannot interleave (not measured apart: the
-// sixth session changed this together with the reciprocal and the float ALiBi distance). The sm80 kernels keep one
-// loop: two raised their spills (d=128, sm_90a: general forward 244/424 -> 392/724 bytes of stores/loads).
+// kUnswitchSoftcap compiles the tile loop twice, with and without the softcap, and computes ALiBi's distance in
+// float from a per-row value, so that no element carries a branch or 64-bit integer work: the sm90 forward's feature
+// forms take it (d=128 transforms form spills 62/76 -> 50/56 bytes), on the theory that a branch per element cuts
+// the unrolled loop into blocks the scheduler cannot interleave (not measured apart: the sixth session changed this
+// together with the softcap reciprocal, and the forms got 1.9-2x faster). The sm80 kernels keep transform_score
+// per element (Softcap::kTested): the other form raised their spills (see apply_with).
 template <bool kGeneral, bool kReadsBiasOrMask = kGeneral, bool kUnswitchSoftcap = false>
 struct ScoreTile {
   static_assert(kGeneral || !kReadsBiasOrMask, "bias and boolean mask are general-variant work");
@@ -174,29 +175,33 @@ struct ScoreTile {
             scores(r, c) = -INFINITY;
             on_hidden(r, c);
           } else {
-            float dscore_ddot = 1.0f;
-            float s;
             if constexpr (kSoftcap == Softcap::kTested) {
-              // score_pipeline.h's transform_score itself (its branches per element and 64-bit ALiBi distance):
-              // the sm80 kernels' registers are tight, and the unswitched form's arithmetic below raised their
-              // spills (d=128 general forward 244/424 -> 392/648 bytes).
-              s = transform_score(scores(r, c), softmax_scale, softcap, mask.alibi_slope, row, col,
-                                  mask.diagonal_shift, &dscore_ddot, softcap_tanh);
+              // score_pipeline.h's transform_score itself (branches per element, 64-bit ALiBi distance), then the
+              // bias: the sm80 kernels' registers are tight, and the unswitched form's code below raised their
+              // spills (d=128 general forward, sm_90a: 244/424 -> 564/776 bytes; this form: 276/460).
+              float dscore_ddot;
+              const float bias =
+                  bias_origin != nullptr ? bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : 0.0f;
+              scores(r, c) = transform_score(scores(r, c), softmax_scale, softcap, mask.alibi_slope, row, col,
+                                             mask.diagonal_shift, &dscore_ddot, softcap_tanh) +
+                             bias;
+              on_visible(r, c, row, col, dscore_ddot);
             } else {
               // transform_score without a branch per element: the softcap is compiled in or out, and the ALiBi
               // term is always there (the slope is 0 without ALiBi, and s - 0 * |distance| = s); the distance, in
               // float, is exact below 2^24, so the term is transform_score's slope * float(|distance|).
-              s = scores(r, c) * softmax_scale;
+              float s = scores(r, c) * softmax_scale;
+              float dscore_ddot = 1.0f;
               if constexpr (kSoftcap == Softcap::kOn) {
                 const float t = softcap_tanh(s, softcap);
                 s = softcap * t;
                 dscore_ddot = 1.0f - t * t;
               }
               s -= mask.alibi_slope * fabsf(first_distance - static_cast<float>(offset));
+              scores(r, c) =
+                  bias_origin != nullptr ? s + bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : s;
+              on_visible(r, c, row, col, dscore_ddot);
             }
-            scores(r, c) =
-                bias_origin != nullptr ? s + bias_origin[local_row * bias_row_stride + offset * bias_col_stride] : s;
-            on_visible(r, c, row, col, dscore_ddot);
           }
         }
       }
