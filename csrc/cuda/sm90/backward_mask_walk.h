@@ -22,7 +22,8 @@ namespace jax_flash::cuda::sm90 {
 // dK/dV kernel: the mask summary of a key block's items, built once per role from the kernel parameters, so that
 // each item's cover is one or two byte loads at 32-bit offsets (a summary has one byte per 64 x 64 mask elements,
 // so its slices lie far below 2^31 bytes). Walking items with make_slice_mask_blocks instead (its 64-bit batch
-// split per item) spilled the producer roles, which run on 32 registers.
+// split per item) spilled more (ptxas, d=128 dK/dV kernel: 388 against 234 bytes per thread, before the consumers
+// stopped walking).
 struct ItemMaskBlocks {
   const uint8_t* first = nullptr;  // the key block's first key block, query block 0, the group's first head
   MaskCover unsummarised = MaskCover::kVisible;  // the cover of every item when first is null (no summary)
@@ -36,14 +37,10 @@ struct ItemMaskBlocks {
     static_assert(Traits::kBlockM == kMaskBlock && Traits::kBlockN % kMaskBlock == 0,
                   "an item's query tile is one block row, its key tile whole block columns");
     ItemMaskBlocks m;
-    // Built from opaque copies of the block's coordinates (batch < 2^31: dispatch.cu), so that each role computes
-    // its own rather than the compiler keeping the kernel entry's (its emptiness check) live into every role,
-    // through the producers' 32 registers.
-    const int64_t batch = opaque(static_cast<int>(kb.batch));
-    const SliceMaskBlocks slice = make_slice_mask_blocks(p, batch, kb.head_kv * kb.group);
+    const SliceMaskBlocks slice = make_slice_mask_blocks(p, kb.batch, kb.head_kv * kb.group);
     m.unsummarised = slice.unsummarised;
     if (slice.blocks == nullptr) return m;
-    const int64_t k0 = opaque(static_cast<int>(kb.n0 / kMaskBlock));
+    const int64_t k0 = kb.n0 / kMaskBlock;
     m.first = slice.blocks + k0 * slice.key_stride;
     m.head_step = static_cast<int>(p.mask_blocks_strides.head);
     m.query_step = static_cast<int>(slice.query_stride);
