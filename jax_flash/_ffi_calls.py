@@ -94,14 +94,14 @@ _DQ_WORKSPACE_TILE_ROWS = 64
 
 def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
     """Whether a backward call gets the dq_accum workspace: only where the kernels can use it, i.e. a call without
-    bias, boolean mask or dropout (the sm80 general variant forms dbias in its dQ pass; the Hopper backward runs
-    none of them), non-deterministic (the order of float adds is not reproducible), half precision (float32 has its
-    own kernels), with _FUSED_DQ_MIN_HEAD_DIM <= head_dim <= 128: where it measured faster (d=64 and d=128).
-    sm80's d=256 gained nothing (164 vs 162 TFLOP/s) and the Hopper backward has no d=256 fused form, so wider head
-    dims keep the separate pass and get no workspace. Softcap and ALiBi calls get it: the Hopper backward's
-    transforms form fuses dQ like its common form (csrc/cuda/sm90/backward_form.h); where they run the sm80
-    backward (its general variant, which keeps the dQ pass) the workspace goes unused."""
-    unfusable = config.dropout_rate > 0 or dense.has_bias or dense.mask.shape[-1] != 0
+    bias or dropout (the sm80 general variant forms dbias in its dQ pass; the Hopper backward runs neither),
+    non-deterministic (the order of float adds is not reproducible), half precision (float32 has its own kernels),
+    with _FUSED_DQ_MIN_HEAD_DIM <= head_dim <= 128: where it measured faster (d=64 and d=128). sm80's d=256
+    gained nothing (164 vs 162 TFLOP/s) and the Hopper backward has no d=256 fused form, so wider head dims keep the
+    separate pass and get no workspace. Softcap, ALiBi and boolean-mask calls get it: the Hopper backward's
+    transforms and masked forms fuse dQ like its common form (csrc/cuda/sm90/backward_form.h); where they run the
+    sm80 backward (its general variant, which keeps the dQ pass) the workspace goes unused."""
+    unfusable = config.dropout_rate > 0 or dense.has_bias
     return (fused_dq_requested() and not config.deterministic and q.dtype != jnp.float32 and not unfusable
             and _FUSED_DQ_MIN_HEAD_DIM <= q.shape[-1] <= 128)
 

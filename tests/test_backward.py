@@ -98,8 +98,9 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     """By default (JAX_FLASH_FUSED_DQ unset or 1) a half-precision backward with _FUSED_DQ_MIN_HEAD_DIM (64) <=
     head_dim <= 128 gets a float32 dq_accum result, [batch, heads_q, whole 64-row query tiles x
     head_dim], which the CPU handler accepts and ignores: same gradients as without it. Softcap and ALiBi calls get
-    it too (the Hopper backward's transforms form fuses dQ). Deterministic calls, calls with a bias, head_dim below
-    _FUSED_DQ_MIN_HEAD_DIM or > 128 and JAX_FLASH_FUSED_DQ=0 get none; a bad value is a clear error."""
+    it too (the Hopper backward's transforms form fuses dQ), and so do boolean-mask calls (its masked form).
+    Deterministic calls, calls with a bias or dropout, head_dim below _FUSED_DQ_MIN_HEAD_DIM or > 128 and
+    JAX_FLASH_FUSED_DQ=0 get none; a bad value is a clear error."""
     case = Case(batch=1, seqlen_q=50, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
@@ -117,6 +118,9 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
     assert workspace in lowered(softcap=5.0)
     assert workspace in lowered(alibi_slopes=jnp.full((4,), 0.1, jnp.float32))
     absent = "tensor<0xf32>"  # the placeholder result where no workspace is declared
+    key_padding = jnp.arange(70)[None, None, None, :] < 60  # [batch, 1, 1, seqlen_k]
+    assert workspace in lowered(mask=key_padding)
+    assert absent in lowered(mask=key_padding, bias=jnp.zeros((1, 4, 50, 70), jnp.float32))
     assert absent in lowered(bias=jnp.zeros((1, 4, 50, 70), jnp.float32))
     assert absent in lowered(deterministic=True) and absent not in lowered()
     narrow = lowered(q[..., :64], k[..., :64], v[..., :64])

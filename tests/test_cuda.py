@@ -483,6 +483,93 @@ def test_mask_block_skipping(head_dim, shape):
         assert np.all(np.isfinite(np.asarray(g.astype(jnp.float32))))
 
 
+# The sm90 backward's masked form (a boolean mask, head_dim <= 128), forced (JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90) so
+# that a refusal fails the test instead of falling back to sm80: hidden items skipped by every role of the dK/dV
+# kernel and by the dQ kernel, partial items read per element, rows and row blocks that see nothing.
+def use_sm90_masked_backward(monkeypatch, head_dim: int, dq_mode: str):
+    """dq_mode: "fused" (a dq_accum workspace, d=64 too), "separate" (JAX_FLASH_FUSED_DQ=0) or "deterministic"."""
+    from jax_flash import _ffi_calls
+
+    use_backward_kernel(monkeypatch, "sm90", head_dim)
+    if head_dim > 128:
+        pytest.skip("boolean masks at head_dim > 128 run on the sm80 backward (no d=256 masked form)")
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "0" if dq_mode == "separate" else "1")
+    monkeypatch.setattr(_ffi_calls, "_FUSED_DQ_MIN_HEAD_DIM", 64)
+
+
+@pytest.mark.parametrize("dq_mode", ("fused", "separate", "deterministic"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("shape", tuple(MASK_BLOCK_SHAPES), ids=str)
+def test_backward_sm90_mask_blocks(shape, head_dim, dq_mode, monkeypatch):
+    use_sm90_masked_backward(monkeypatch, head_dim, dq_mode)
+    case = Case(batch=2, seqlen_q=300, seqlen_k=520, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim + 3)
+    mask = block_structured_mask(MASK_BLOCK_SHAPES[shape], seed=head_dim + 1, region=128)
+    if shape == "per_head":  # a 128-row block of one head of the GQA group sees nothing
+        mask = mask.at[1, 2, 128:256].set(False)
+    kwargs = dict(mask=mask, causal=shape == "per_head")
+    check_gradients_on_gpu(case, deterministic=dq_mode == "deterministic", **kwargs)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    for g in grads(q, k, v, jnp.ones_like(q), deterministic=dq_mode == "deterministic", **_gpu_kwargs(kwargs)):
+        assert np.all(np.isfinite(np.asarray(g.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("dq_mode", ("fused", "deterministic"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_backward_sm90_key_padding_mask(head_dim, dtype, dq_mode, monkeypatch):
+    """A [batch, 1, 1, seqlen_k] key-padding mask (query stride 0), with a batch row that sees no key at all: its
+    dq, and dk/dv of its keys, are 0."""
+    use_sm90_masked_backward(monkeypatch, head_dim, dq_mode)
+    case = Case(batch=3, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=dtype,
+                seed=head_dim + 5)
+    mask = _padding_mask([900, 333, 0], case.seqlen_k)
+    check_gradients_on_gpu(case, deterministic=dq_mode == "deterministic", mask=mask)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    dq, dk, dv = (np.asarray(g.astype(jnp.float32)) for g in grads(
+        q, k, v, jnp.ones_like(q), deterministic=dq_mode == "deterministic", **_gpu_kwargs(dict(mask=mask))))
+    assert np.all(dq[2] == 0) and np.all(dk[2] == 0) and np.all(dv[2] == 0)
+    assert np.all(dk[1, 333:] == 0) and np.all(dv[1, 333:] == 0)
+
+
+@pytest.mark.parametrize("dq_mode", ("fused", "deterministic"))
+@pytest.mark.parametrize("feature", ("causal", "seqlens_causal", "segments", "softcap", "alibi_batched_causal",
+                                     "everything"))
+def test_backward_sm90_mask_with_features(feature, dq_mode, monkeypatch):
+    """The masked form with the position masks, lengths and segments, and with softcap/ALiBi (which it transforms
+    like the transforms form); many query and key tiles, GQA, fp16."""
+    use_sm90_masked_backward(monkeypatch, 128, dq_mode)
+    case = Case(batch=2, seqlen_q=1100, seqlen_k=1300, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.float16,
+                seed=len(feature) + 11)
+    mask = block_structured_mask((2, 8, 1100, 1300), seed=len(feature), region=128)
+    check_gradients_on_gpu(case, deterministic=dq_mode == "deterministic", mask=mask, **feature_kwargs(feature, case))
+
+
+def test_backward_sm90_mask_deterministic_is_bit_identical(monkeypatch):
+    use_sm90_masked_backward(monkeypatch, 128, "deterministic")
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.bfloat16)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])
+    mask = jax.device_put(block_structured_mask((2, 1, 1000, 1500), seed=9, region=128), GPUS[0])
+    runs = [[np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o, deterministic=True, mask=mask)]
+            for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_forcing_sm90_backward_on_a_mask_at_head_dim_256_is_a_clear_error(monkeypatch):
+    if reason := _sm90_backward_refusal():
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
+    case = Case(head_dim=256, dtype=jnp.bfloat16)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    mask = jax.device_put(_padding_mask([40], case.seqlen_k), GPUS[0])
+    with pytest.raises(Exception, match="sm90 backward cannot run this call: softcap, ALiBi and boolean masks"):
+        jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
+            jax_flash.attention(q_, k, v, mask=mask).astype(jnp.float32)))(q))
+
+
 def _raw_calls_with_summary(q, k, v, mask, summary):
     """The forward and backward custom calls with a given block summary (the public API always passes the
     mask's own): (o, lse, dq, dk, dv) for d_o = 1."""

@@ -202,15 +202,21 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
     return "this build has no sm_90a backward kernel for head_dim " + std::to_string(p.head_dim);
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  // Two kernel forms exist (sm90/backward_form.h): common, and transforms (softcap, ALiBi). Neither reads a bias or
-  // boolean mask or drops out, and the common form folds a positive scale into exp2 (a zero one would turn masked
-  // -inf dots into NaN).
-  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr ||
-      !(p.softmax_scale > 0.0f)) {
-    return "bias, mask, dropout and softmax_scale <= 0 run on the sm80 backward only";
+  // Three kernel forms exist (sm90/backward_form.h): common, transforms (softcap, ALiBi) and masked (a boolean mask,
+  // with or without softcap/ALiBi). None reads an additive bias, forms dbias or drops out, and the common form folds
+  // a positive scale into exp2 (a zero one would turn masked -inf dots into NaN).
+  if (p.bias != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr || !(p.softmax_scale > 0.0f)) {
+    return "bias, dbias, dropout and softmax_scale <= 0 run on the sm80 backward only";
   }
-  if ((p.softcap > 0.0f || p.alibi_slopes != nullptr) && sm90_backward_head_dim(p.head_dim) > 128) {
-    return "softcap and ALiBi at head_dim > 128 run on the sm80 backward only (the d=256 kernel has no transforms form)";
+  const bool per_element = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.mask != nullptr;
+  if (per_element && sm90_backward_head_dim(p.head_dim) > 128) {
+    return "softcap, ALiBi and boolean masks at head_dim > 128 run on the sm80 backward only (the d=256 kernel has no "
+           "transforms or masked form)";
+  }
+  // The masked form reads a tile's mask elements at 32-bit offsets from its first one (sm90/masked_scores.h
+  // MaskBits): at most 127 query and 127 key strides, so their sum stays below 2^31 with strides below 2^23.
+  if (p.mask != nullptr && p.mask_strides.query + p.mask_strides.key >= (int64_t{1} << 23)) {
+    return "a boolean mask with seqlen_k >= 2^23 runs on the sm80 backward only";
   }
   // The transforms form takes ALiBi distances |query + diagonal_shift - key| in 32 bits
   // (sm90/transformed_scores.h); with |diagonal_offset| + 2 (seqlen_q + seqlen_k) below 2^30 they stay far from it.

@@ -24,9 +24,9 @@ SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVarian
 SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
-SM90_BACKWARD_FORMS = {"common": "false", "transforms": "true"}
-SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, {transforms}>(const AttentionBackwardParams&, bool, "
-                      "cudaStream_t);")
+SM90_BACKWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "masked": "kMasked"}
+SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, BackwardForm::{form}>(const AttentionBackwardParams&, "
+                      "bool, cudaStream_t);")
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",
     "backward": "std::string launch_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);",
@@ -62,11 +62,11 @@ def main() -> None:
             text = TEMPLATE.format(header="backward_dispatch.h", family="sm90",
                                    declaration=SM90_BACKWARD.format(d=d, t=cpp))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}.cu"] = text
-            for name, transforms in SM90_BACKWARD_FORMS.items():
-                if name == "transforms" and d > 128:  # backward_form.h has_transforms_form: not the d=256 kernel
+            for name, form in SM90_BACKWARD_FORMS.items():
+                if name != "common" and d > 128:  # backward_form.h has_transforms_form: not the d=256 kernel
                     continue
                 text = TEMPLATE.format(header="backward_launch.h", family="sm90",
-                                       declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, transforms=transforms))
+                                       declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, form=form))
                 files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}_{name}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:

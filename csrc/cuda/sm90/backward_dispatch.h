@@ -1,15 +1,16 @@
 // launch_backward for one (head dim, element type) of the Hopper backward (sm_90a only):
 //   1. softmax_d = rowsum(dO * O) - dlse   (sm80's row pass, in a kernel of this family)
-//   2. the GEMM passes in the kernel form the call needs (backward_form.h: common, or transforms for softcap/ALiBi),
-//      each form's launcher (backward_launch.h) instantiated in a translation unit of its own:
+//   2. the GEMM passes in the kernel form the call needs (backward_form.h: common; transforms for softcap/ALiBi;
+//      masked for a boolean mask), each form's launcher (backward_launch.h) instantiated in a translation unit of
+//      its own:
 //   3. with a dq_accum workspace (where jax_flash/_ffi_calls.py declares one; never for deterministic calls,
 //      JAX_FLASH_FUSED_DQ=0 turns it off) where has_fused_dq (d=64, d=128): dQ is summed into it by the dK/dV pass
 //      (zeroed first), one bulk reduction per item into its tile-major layout, and one pass scales and converts it
 //      (dq_staging.h dq_from_tiles). Otherwise the dQ pass recomputes S and dP: no atomics anywhere,
 //      bit-reproducible. Fused is the default at d=64 and d=128: with one bulk reduction per item, d=128 4k on the
 //      H200 473 vs 413 TFLOP/s (causal 397 vs 352), d=64 through JAX 0-9% faster (benchmarks/NOTES.md).
-// The transforms form exists only where has_transforms_form (not at d=256; dispatch.cu refuses those calls).
-// The dispatcher routes here only calls without bias, boolean mask or dropout, with softmax_scale > 0,
+// The transforms and masked forms exist only where has_transforms_form (not at d=256; dispatch.cu refuses those
+// calls). The dispatcher routes here only calls without bias, dbias or dropout, with softmax_scale > 0,
 // head_dim % 8 == 0, 16-byte aligned operands and non-empty sequences (dispatch.cu sm90_backward_refusal).
 #pragma once
 
@@ -30,7 +31,7 @@
 namespace jax_flash::cuda::sm90 {
 
 // Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu.
-template <int kHeadDim, class Element, bool kTransforms>
+template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
 
 template <class T>
@@ -54,14 +55,19 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
   }
-  const bool transforms = backward_transforms_scores(p);
+  const BackwardForm form = backward_form(p);
   auto gemm_passes = [&](bool fused_dq) -> std::string {
     if constexpr (has_transforms_form(kHeadDim)) {
-      if (transforms) return launch_backward_form<kHeadDim, Element, true>(p, fused_dq, stream);
-    } else if (transforms) {
-      return "sm90 backward: no softcap/ALiBi form at this head dim";
+      if (form == BackwardForm::kMasked) {
+        return launch_backward_form<kHeadDim, Element, BackwardForm::kMasked>(p, fused_dq, stream);
+      }
+      if (form == BackwardForm::kTransforms) {
+        return launch_backward_form<kHeadDim, Element, BackwardForm::kTransforms>(p, fused_dq, stream);
+      }
+    } else if (form != BackwardForm::kCommon) {
+      return "sm90 backward: no softcap/ALiBi/mask form at this head dim";
     }
-    return launch_backward_form<kHeadDim, Element, false>(p, fused_dq, stream);
+    return launch_backward_form<kHeadDim, Element, BackwardForm::kCommon>(p, fused_dq, stream);
   };
   if constexpr (has_fused_dq(kHeadDim)) {
     // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.

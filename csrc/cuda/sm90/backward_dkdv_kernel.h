@@ -6,10 +6,13 @@
 //  - each consumer warpgroup owns 64 of the keys. Per query tile, all with WGMMA:
 //      S^T = K Q^T, dP^T = V dO^T        (both operands from smem)
 //      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)   (in registers; masks only on boundary tiles)
-//        (transforms form, kTransforms: S^T = transform_score(K Q^T) with softcap and/or ALiBi, and dS^T also
-//        carries the softcap's factor; transformed_scores.h)
+//        (transforms form: S^T = transform_score(K Q^T) with softcap and/or ALiBi, and dS^T also carries the
+//        softcap's factor; transformed_scores.h. Masked form: the same, plus the boolean mask's elements read in
+//        the items its block summary shows partially hidden, masked_scores.h; backward_form.h)
 //      dV += P^T dO, dK += dS^T Q        (P^T, dS^T straight from the accumulators as register A operands)
 // Computing the transposed scores is what lets P and dS skip shared memory: their rows are already the keys.
+// Items (query head of the group, query tile) run in order; the masked form skips those the mask hides entirely
+// (backward_mask_walk.h next_item), and every role of the CTA walks the same list.
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
@@ -20,6 +23,7 @@
 // backward_dkdv_split_consumer.h instead (no fused dQ there).
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include <cute/tensor.hpp>
@@ -33,9 +37,11 @@
 #include "../sm80/tensor_offsets.h"
 #include "backward_dkdv_split_consumer.h"
 #include "backward_key_block.h"
+#include "backward_mask_walk.h"
 #include "backward_traits.h"
 #include "dq_staging.h"
 #include "fragments.h"
+#include "masked_scores.h"
 #include "transformed_scores.h"
 #include "transposed_scores.h"
 
@@ -47,7 +53,7 @@ constexpr int kDkdvEpilogueBarrier = 1;
 constexpr int kDsStoredBarrier = 3;
 
 // Producer thread: K and V once, then Q and dO of every item.
-template <class Traits>
+template <class Traits, BackwardForm kForm>
 __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBlock& kb,
                                    typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline) {
   using namespace cute;
@@ -79,58 +85,107 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   Tensor tdOsdO = tma_do.partition_D(sdO);
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   // Items in order: query heads of the group, then query tiles (KeyBlock::head / m_block).
-  for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
-    Tensor tQgQ = tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                               make_coord(_, 0)));  // (TMA, TMA_M, TMA_D, m)
-    Tensor tdOgdO = tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                                  make_coord(_, 0)));
-    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
-      const int m_block = kb.m_block(tile);
-      pipeline.producer_acquire(write);
-      auto* full = pipeline.producer_get_barrier(write);
-      copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
-      copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
-      ++write;
+  auto q_tiles = [&](int64_t head) {  // (TMA, TMA_M, TMA_D, m)
+    return tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                        make_coord(_, 0)));
+  };
+  auto do_tiles = [&](int64_t head) {
+    return tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                         make_coord(_, 0)));
+  };
+  auto load = [&](auto const& tQgQ, auto const& tdOgdO, int m_block) {
+    pipeline.producer_acquire(write);
+    auto* full = pipeline.producer_get_barrier(write);
+    copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
+    copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
+    ++write;
+  };
+  if constexpr (reads_boolean_mask(kForm)) {
+    // The items the mask summary leaves anything visible in (backward_mask_walk.h).
+    const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
+    for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
+         item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
+      load(q_tiles(kb.head(item)), do_tiles(kb.head(item)), kb.m_block(item));
+    }
+  } else {
+    // Every item, the tensors of a query head made once (a walk by item cost the d=256 kernel 28 bytes of spills).
+    for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+      const auto tQgQ = q_tiles(head);
+      const auto tdOgdO = do_tiles(head);
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, kb.m_block(tile));
     }
   }
 }
 
-// Producer warp 1: lse (as log2, +inf for rows without a visible key) and softmax_d of every item's rows.
-template <class Traits>
+// Producer warp 1: lse (as log2, +inf for rows without a visible key) and softmax_d of every item's rows; in the
+// masked form also the item itself and its mask tile, and after the last item one more stage whose item is -1
+// (the end), so that the consumers need not walk the mask summary (see consume_query_tiles).
+template <class Traits, BackwardForm kForm>
 __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlock& kb,
                                   typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline) {
   const int lane = threadIdx.x % 32;
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::StatsPipeline>();
   // Lean on registers: this warp runs under the producer's setmaxnreg budget.
-  for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
-    const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
-    const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
-    for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
-      const int m0 = kb.m_block(tile) * Traits::kBlockM;
-      const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
-      pipeline.producer_acquire(write);
-      float* lse_log2 = smem.lse_log2[write.index()];
-      float* softmax_d = smem.softmax_d[write.index()];
+  // Fills a stage with the rows of query tile m_block (head's lse and softmax_d); `also` writes more into it.
+  auto fill = [&](const float* lse, const float* row_d, int m_block, auto also) {
+    const int m0 = m_block * Traits::kBlockM;
+    const int rows = min(Traits::kBlockM, static_cast<int>(p.seqlen_q) - m0);
+    pipeline.producer_acquire(write);
+    float* lse_log2 = smem.lse_log2[write.index()];
+    float* softmax_d = smem.softmax_d[write.index()];
 #pragma unroll 1
-      for (int i = lane; i < Traits::kBlockM; i += 32) {
-        const float row_lse = i < rows ? lse[m0 + i] : -INFINITY;
-        lse_log2[i] = row_lse == -INFINITY ? INFINITY : row_lse * sm80::kLog2e;
-        softmax_d[i] = i < rows ? row_d[m0 + i] : 0.0f;
-      }
-      pipeline.producer_commit(write);
-      ++write;
+    for (int i = lane; i < Traits::kBlockM; i += 32) {
+      const float row_lse = i < rows ? lse[m0 + i] : -INFINITY;
+      lse_log2[i] = row_lse == -INFINITY ? INFINITY : row_lse * sm80::kLog2e;
+      softmax_d[i] = i < rows ? row_d[m0 + i] : 0.0f;
+    }
+    also(write.index(), m0);
+    pipeline.producer_commit(write);
+    ++write;
+  };
+  if constexpr (reads_boolean_mask(kForm)) {
+    const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
+    for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
+         item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
+      const int64_t head = kb.head(item);
+      fill(p.lse + sm80::row_stat_offset(p, kb.batch, head, 0),
+           p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0), kb.m_block(item), [&](int stage, int m0) {
+             if (lane == 0) {
+               smem.stage_item[stage] = item;
+               smem.stage_mask_tile[stage] = blocks.template cover<Traits>(kb, item) == MaskCover::kVisible
+                                                 ? nullptr
+                                                 : tile_mask_origin(p, kb.batch, head, m0, kb.n0);
+             }
+           });
+    }
+    // The end mark.
+    pipeline.producer_acquire(write);
+    if (lane == 0) {
+      smem.stage_item[write.index()] = -1;
+      smem.stage_mask_tile[write.index()] = nullptr;
+    }
+    pipeline.producer_commit(write);
+  } else {
+    for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
+      const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
+      const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) fill(lse, row_d, kb.m_block(tile), [](int, int) {});
     }
   }
 }
 
 // Producer warp 2 (fused dQ), lane 0 issuing: each item's staged dQ tile into its dq_accum chunk (one bulk
-// reduction), then the tile back to the consumers once the reduction has read it.
-template <class Traits>
+// reduction), then the tile back to the consumers once the reduction has read it. `visit` counts the items walked
+// (the barrier phases), `item` names the tile.
+template <class Traits, BackwardForm kForm>
 __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                typename Traits::SharedStorage& smem) {
   const int lane = threadIdx.x % 32;
-  for (int item = 0; item < kb.items; ++item) {
-    cutlass::arch::ClusterBarrier::wait(&smem.dq_full, item & 1);
+  const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
+  int visit = 0;
+  for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
+       item = next_item<Traits, kForm>(kb, blocks, item + 1), ++visit) {
+    cutlass::arch::ClusterBarrier::wait(&smem.dq_full, visit & 1);
     if (lane == 0) {
       reduce_dq_tile(p, smem.dq, kb.batch, kb.head(item), kb.m_block(item));
       bulk_wait_read();
@@ -144,7 +199,7 @@ __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock&
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
 // item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits, bool kTransforms, bool kFusedDq>
+template <class Traits, BackwardForm kForm, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
@@ -197,29 +252,57 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
-  for (int item = 0; item < kb.items; ++item) {
+  // `visit` counts the items walked (dS buffers and dQ barrier phases alternate with it); `item` names the tile.
+  // Masked form: the consumers take each item's index, and its mask tile where it reads mask elements, from its
+  // row-stats stage, until the stage that marks the end (produce_row_stats walks the mask summary). Walking it here,
+  // in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and counting the items up front
+  // would cost one dependent summary load per item before the first GEMM.
+  const int visits = reads_boolean_mask(kForm) ? INT_MAX : kb.items;
+  for (int visit = 0; visit < visits; ++visit) {
     const int stage = read.index();
+    int item = visit;
+    [[maybe_unused]] const bool* mask_tile = nullptr;
+    if constexpr (reads_boolean_mask(kForm)) {
+      pipeline_stats.consumer_wait(read);
+      item = smem.stage_item[stage];
+      mask_tile = smem.stage_mask_tile[stage];
+      if (item < 0) break;  // the end mark: no Q/dO stage goes with it
+    }
+    [[maybe_unused]] const bool read_mask_elements = mask_tile != nullptr;
     const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
-    // Transforms form: ALiBi's slope is the item's query head's (it changes along a GQA group); loaded before the
-    // GEMMs so that they hide its latency.
+    // Transforms and masked forms: ALiBi's slope is the item's query head's (it changes along a GQA group); loaded
+    // before the GEMMs so that they hide its latency.
     float alibi_slope = 0.0f;
-    if constexpr (kTransforms) {
+    if constexpr (transforms_scores(kForm)) {
       if (p.alibi_slopes != nullptr) alibi_slope = p.alibi_slopes[kb.batch * p.heads_q + kb.head(item)];
+    }
+    // Masked form: the mask bits of an item that reads mask elements (its blocks are not all visible), gathered
+    // before the GEMMs (MaskBits says why); the mask of the item's own query head (it may differ along the GQA
+    // group, the position masks do not).
+    [[maybe_unused]] MaskBitsFor<decltype(coords)> mask_bits;
+    if constexpr (reads_boolean_mask(kForm)) {
+      if (read_mask_elements) {
+        mask_bits = MaskBitsFor<decltype(coords)>::template gather</*kTransposed=*/true>(
+            mask_tile, p.mask_strides, coords, static_cast<int>(p.seqlen_q - m0), kb.keys_in_bounds);
+      }
     }
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     pipeline_qdo.consumer_wait(read);
     issue_wgmma<true>(mma_sdp, frag_k, frag_q(_, _, _, stage), acc_s);
     issue_wgmma<true>(mma_sdp, frag_v, frag_do(_, _, _, stage), acc_dp);
-    pipeline_stats.consumer_wait(read);
+    if constexpr (!reads_boolean_mask(kForm)) pipeline_stats.consumer_wait(read);
     auto scores = sm80::as_rows_cols(sm80_view(acc_s));
     auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
-    if constexpr (kTransforms) {
+    if constexpr (transforms_scores(kForm)) {
       // The tanh (the costly part) and the masks while dP^T runs; the rest needs dP^T for the softcap's factor.
       cap_scores(scores, p.softmax_scale, p.softcap);
       if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
         mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+      }
+      if constexpr (reads_boolean_mask(kForm)) {
+        if (read_mask_elements) mask_bits.hide_masked(scores);
       }
       warpgroup_wait<0>();
       transposed_capped_step(CappedScoreStep::make(p.softcap, alibi_slope), scores, dp, coords,
@@ -239,7 +322,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     Tensor score_grads = sm80::converted<T>(acc_dp);
     Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
     Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
-    const int buffer = item & 1;
+    const int buffer = visit & 1;
     if constexpr (kFusedDq) {
       // Buffer `buffer` is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
       // barrier, which this consumer has passed.
@@ -257,7 +340,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       pipeline_qdo.consumer_release(read);
       warpgroup_wait<0>();
       // The staged tile is free again once the writer's reductions of the previous item have read it.
-      if (item > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (item - 1) & 1);
+      if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
       stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, group, thread % 128);
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the bulk copies (async proxy) read
       cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
@@ -287,18 +370,20 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
 }
 
-template <class Traits, bool kTransforms, bool kFusedDq>
+template <class Traits, BackwardForm kForm, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
   static_assert(!(kFusedDq && Traits::kSplitHeadDim), "the split-head-dim form has no fused dQ");
-  static_assert(!(kTransforms && Traits::kSplitHeadDim), "the split-head-dim form has no transforms form");
+  static_assert(!(kForm != BackwardForm::kCommon && Traits::kSplitHeadDim),
+                "the split-head-dim form has no transforms or masked form");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
   const KeyBlock kb = locate_key_block<Traits>(p);
-  if (kb.items == 0) {  // no query sees these keys
+  // No query sees these keys (by position, or in the masked form by the mask summary): dK = dV = 0.
+  if (next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items) {
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
     store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
     store_key_rows<Traits, NoStage>(p, kb, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
@@ -338,18 +423,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x == 0) {
-      produce_dkdv_tiles<Traits>(args, kb, smem, pipeline_qdo);
+      produce_dkdv_tiles<Traits, kForm>(args, kb, smem, pipeline_qdo);
     } else if (warp == 1) {
-      produce_row_stats<Traits>(p, kb, smem, pipeline_stats);
+      produce_row_stats<Traits, kForm>(p, kb, smem, pipeline_stats);
     } else if constexpr (kFusedDq) {
-      if (warp == 2) write_dq_tiles<Traits>(p, kb, smem);
+      if (warp == 2) write_dq_tiles<Traits, kForm>(p, kb, smem);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     if constexpr (Traits::kSplitHeadDim) {
       consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     } else {
-      consume_query_tiles<Traits, kTransforms, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+      consume_query_tiles<Traits, kForm, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     }
   }
 }

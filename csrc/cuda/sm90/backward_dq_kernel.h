@@ -3,8 +3,10 @@
 // one fixed order with no atomics (the design choice of sm80/backward_dq_kernel.h: deterministic for free).
 //  - producer warpgroup, thread 0: TMA loads of Q and dO once and of K and V tiles into a kStages pipeline;
 //  - each consumer warpgroup owns 64 of the rows: S = Q K^T and dP = dO V^T by WGMMA from smem, the shared
-//    backward score step of sm80 (masks, P = exp(S - lse), dS = P (dP - D); in the transforms form, kTransforms,
-//    S = transform_score(Q K^T) with softcap and/or ALiBi and dS times the softcap's factor: transformed_scores.h),
+//    backward score step of sm80 (masks, P = exp(S - lse), dS = P (dP - D); in the transforms form,
+//    S = transform_score(Q K^T) with softcap and/or ALiBi and dS times the softcap's factor: transformed_scores.h;
+//    the masked form adds the boolean mask's elements where its block summary shows a tile partially hidden,
+//    masked_scores.h, and skips the key tiles it hides entirely, backward_mask_walk.h; backward_form.h),
 //    then dQ += dS K by WGMMA with dS from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs
 //    while tile n+1's S and dP are issued; tile n's K/V stage is handed back once both have retired.
 #pragma once
@@ -22,8 +24,10 @@
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
+#include "backward_mask_walk.h"
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
+#include "masked_scores.h"
 #include "transformed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -51,7 +55,7 @@ __device__ void store_query_rows(const AttentionBackwardParams& p, const RowBloc
 }
 
 // Producer thread: Q and dO once, then K and V of every visible key tile, last to first.
-template <class Traits>
+template <class Traits, BackwardForm kForm>
 __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBlock& rb,
                                  typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline) {
   using namespace cute;
@@ -86,7 +90,8 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
   Tensor tVgV = tma_v.partition_S(gV);
   Tensor tVsV = tma_v.partition_D(sV);
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin;
+       n_block = previous_key_tile<Traits, kForm>(p, rb, n_block - 1)) {
     pipeline.producer_acquire(write);
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_k.with(*full), tKgK(_, _, _, n_block), tKsK(_, _, _, write.index()));
@@ -97,7 +102,7 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
 
 // Consumer warpgroup `group`: dQ of its 64 rows over every visible key tile, then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits, bool kTransforms>
+template <class Traits, BackwardForm kForm>
 __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams& p, const RowBlock& rb,
                                                  typename Traits::SharedStorage& smem,
                                                  typename Traits::Pipeline& pipeline_kv, int group) {
@@ -139,25 +144,42 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
 
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
   typename Traits::PipelineState read, previous;
-  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
+  for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin;
+       n_block = previous_key_tile<Traits, kForm>(p, rb, n_block - 1)) {
     const int stage = read.index();
+    const int64_t n0 = int64_t(n_block) * kBlockN;
+    // Masked form: whether this tile reads mask elements (its blocks are not all visible), and their bits, gathered
+    // before the GEMMs (MaskBits says why).
+    [[maybe_unused]] const bool read_mask_elements =
+        key_tile_mask_cover<Traits, kForm>(p, rb, n_block) != MaskCover::kVisible;
+    [[maybe_unused]] MaskBitsFor<decltype(sm80::as_rows_cols(coords))> mask_bits;
+    if constexpr (reads_boolean_mask(kForm)) {
+      if (read_mask_elements) {
+        mask_bits = decltype(mask_bits)::template gather</*kTransposed=*/false>(
+            tile_mask_origin(p, rb.batch, rb.head, rb.m0, n0), p.mask_strides, sm80::as_rows_cols(coords),
+            rb.rows_in_bounds, static_cast<int>(min(int64_t(kBlockN), p.seqlen_k - n0)));
+      }
+    }
     pipeline_kv.consumer_wait(read);
     issue_wgmma<true>(mma_sdp, frag_q, frag_k(_, _, _, stage), acc_s);
     issue_wgmma<true>(mma_sdp, frag_do, frag_v(_, _, _, stage), acc_dp);
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ GEMM have retired
     if (n_block != rb.key_tiles.end - 1) pipeline_kv.consumer_release(previous);
 
-    const int64_t n0 = int64_t(n_block) * kBlockN;
     const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
     auto s_view = sm80_view(acc_s);
     auto dp_view = sm80_view(acc_dp);
     const bool interior = n_block >= rb.interior.begin && n_block < rb.interior.end;
-    if constexpr (kTransforms) {
-      // Transformed scores, then the position masks (hidden: -inf) where the tile needs them.
+    if constexpr (transforms_scores(kForm)) {
+      // Transformed scores, then the position masks (hidden: -inf) where the tile needs them, then (masked form)
+      // the boolean mask's elements where its blocks are partially hidden.
       auto scores = sm80::as_rows_cols(s_view);
       auto score_coords = sm80::as_rows_cols(coords);
       cap_scores(scores, p.softmax_scale, p.softcap);
       if (!interior) scorer.template apply<true>(s_view, coords, rb.m0, n0);
+      if constexpr (reads_boolean_mask(kForm)) {
+        if (read_mask_elements) mask_bits.hide_masked(scores);
+      }
       capped_step(CappedScoreStep::make(p.softcap, rb.mask.alibi_slope), scores, sm80::as_rows_cols(dp_view),
                   score_coords, first_alibi_distance(rb.mask, score_coords, rb.m0, n0, /*transposed=*/false), stats);
     } else if (interior) {
@@ -187,7 +209,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   store_query_rows<Traits>(p, rb, &sQ, group * 64, group * 64 + 64, thread % 128, 128);
 }
 
-template <class Traits, bool kTransforms>
+template <class Traits, BackwardForm kForm>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dq_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
@@ -195,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
-  const RowBlock rb = locate_row_block<Traits>(p);
+  const RowBlock rb = locate_backward_row_block<Traits, kForm>(p);
   if (rb.key_tiles.empty()) {  // rows that see no key: dQ = 0
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{}));
     store_query_rows<Traits, NoStage>(p, rb, nullptr, 0, Traits::kBlockM, threadIdx.x, Traits::kThreads);
@@ -221,10 +243,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x == 0) produce_dq_tiles<Traits>(args, rb, smem, pipeline_kv);
+    if (threadIdx.x == 0) produce_dq_tiles<Traits, kForm>(args, rb, smem, pipeline_kv);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_key_tiles<Traits, kTransforms>(p, rb, smem, pipeline_kv, warp_group - 1);
+    consume_key_tiles<Traits, kForm>(p, rb, smem, pipeline_kv, warp_group - 1);
   }
 }
 

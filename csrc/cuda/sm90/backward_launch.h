@@ -37,14 +37,14 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};
 }
 
-template <int kHeadDim, class Element, bool kTransforms, bool kFusedDq>
+template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   using namespace cute;
   using Traits = DkdvTraitsFor<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
-  auto kernel = dkdv_kernel<Traits, kTransforms, kFusedDq>;
+  auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid);
@@ -56,14 +56,14 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   return sm80::last_launch_error("sm90 dK/dV kernel launch");
 }
 
-template <int kHeadDim, class Element, bool kTransforms>
+template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   using namespace cute;
   using Traits = DqTraits<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, typename Traits::SmemLayoutQ, decltype(take<0, 2>(typename Traits::SmemLayoutKV{})),
                     Traits::kBlockM, Traits::kBlockN>(p);
-  auto kernel = dq_kernel<Traits, kTransforms>;
+  auto kernel = dq_kernel<Traits, kForm>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch, &grid);
@@ -75,19 +75,19 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   return sm80::last_launch_error("sm90 dQ kernel launch");
 }
 
-// The GEMM passes of one call in kernel form kTransforms (backward_form.h): with fused_dq, the dK/dV pass that also
+// The GEMM passes of one call in kernel form kForm (backward_form.h): with fused_dq, the dK/dV pass that also
 // adds dQ into the (zeroed) dq_accum workspace; otherwise the dK/dV pass and the dQ pass.
-template <int kHeadDim, class Element, bool kTransforms>
+template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream) {
   if (fused_dq) {
     if constexpr (has_fused_dq(kHeadDim)) {
-      return launch_dkdv<kHeadDim, Element, kTransforms, true>(p, stream);
+      return launch_dkdv<kHeadDim, Element, kForm, true>(p, stream);
     } else {
       return "sm90 backward: no fused dQ form for this head dim";
     }
   }
-  if (std::string err = launch_dkdv<kHeadDim, Element, kTransforms, false>(p, stream); !err.empty()) return err;
-  return launch_dq<kHeadDim, Element, kTransforms>(p, stream);
+  if (std::string err = launch_dkdv<kHeadDim, Element, kForm, false>(p, stream); !err.empty()) return err;
+  return launch_dq<kHeadDim, Element, kForm>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -4,8 +4,8 @@
 //   dQ kernel:    M = query rows (resident), streams (K, V) tiles of block_n keys.
 // Except at d=256 (DkdvSplitTraits): there dK and dV of 64 keys would be 256 floats per thread, so the dK/dV
 // kernel's two consumer warpgroups share 64 keys and split the head dim instead.
-// Two kernel forms share these traits (backward_form.h): common, and transforms (softcap/ALiBi; not at d=256);
-// bias, mask and dropout calls run the sm80 backward.
+// Three kernel forms share these traits (backward_form.h): common, transforms (softcap/ALiBi) and masked (boolean
+// mask), the last two not at d=256; bias, dbias and dropout calls run the sm80 backward.
 #pragma once
 
 #include <type_traits>
@@ -152,6 +152,10 @@ struct DkdvTraits {
     alignas(128) float dq[kBlockM * kHeadDim];                      // fused dQ only
     float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
     float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
+    // Masked form: the item whose row stats the stage holds, its mask tile's origin element where the item reads
+    // mask elements, else null (backward_dkdv_kernel.h).
+    int stage_item[kStages];
+    const bool* stage_mask_tile[kStages];
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load

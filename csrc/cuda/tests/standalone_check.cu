@@ -69,6 +69,9 @@ struct Case {
   bool dense_mask = false;   // random boolean mask [B, 1, Sq, Sk] with a fully masked row, and its block summary
   bool mask_blocks = false;  // dense_mask with whole regions hidden or visible, padded key tails, a blind row block
   int64_t blind_rows = 0;    // mask_blocks: the last batch row's first blind_rows rows see nothing (whole tiles)
+  bool mask_per_head = false;  // dense_mask of shape [B, Hq, Sq, Sk]: each query head its own (regions shifted)
+  bool key_padding = false;    // dense_mask as a [B, 1, 1, Sk] key-padding mask instead (query stride 0): batch
+                               // row b sees its first Sk - b * Sk / (B - 1) keys, so the last one sees none
   float dropout_rate = 0.0f;
 };
 
@@ -273,15 +276,16 @@ bool report_lse(const std::vector<double>& ref, const std::vector<float>& got) {
 
 // A [B, 1, Sq, Sk] mask, 4 in 5 elements visible at random. With c.mask_blocks, regions of 256 rows x 128 keys
 // (whole tiles of every kernel) are in turn hidden, visible and random; batch row b hides its last b * Sk / 2B keys
-// (key padding); the last batch row's rows 64..127 (and its first c.blind_rows) see nothing.
-std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng) {
+// (key padding); the last batch row's rows 64..127 (and its first c.blind_rows) see nothing. `head` shifts the
+// regions (c.mask_per_head: each query head its own pattern).
+std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng, int64_t head = 0) {
   const int64_t B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k;
   std::vector<uint8_t> mask(B * Sq * Sk);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Sq; ++i) {
       for (int64_t j = 0; j < Sk; ++j) {
         uint8_t& m = mask[(b * Sq + i) * Sk + j];
-        const int64_t region = (i / 256 + j / 128) % 3;
+        const int64_t region = (i / 256 + j / 128 + head) % 3;
         if (c.mask_blocks && (j >= Sk - b * Sk / (2 * B) || (b == B - 1 && (i / 64 == 1 || i < c.blind_rows)) ||
                               region == 0)) {
           m = 0;
@@ -294,6 +298,49 @@ std::vector<uint8_t> random_mask(const Case& c, std::mt19937& rng) {
     }
   }
   return mask;
+}
+
+// c.key_padding's [B, 1, 1, Sk] mask: batch row b sees its first Sk - b * Sk / (B - 1) keys (all of them when B
+// is 1).
+std::vector<uint8_t> key_padding_mask(const Case& c) {
+  const int64_t B = c.batch, Sk = c.seqlen_k;
+  std::vector<uint8_t> mask(B * Sk);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t visible = B == 1 ? Sk : Sk - b * Sk / (B - 1);
+    for (int64_t j = 0; j < Sk; ++j) mask[b * Sk + j] = j < visible;
+  }
+  return mask;
+}
+
+// A case's boolean mask (empty without c.dense_mask), laid out [B, mask_heads, mask_rows, Sk]: mask_heads is Hq
+// with c.mask_per_head, else 1; mask_rows is 1 with c.key_padding, else Sq.
+struct CaseMask {
+  std::vector<uint8_t> elements;
+  int64_t heads = 1, rows = 0;
+};
+
+CaseMask case_mask(const Case& c, std::mt19937& rng) {
+  CaseMask m;
+  m.rows = c.seqlen_q;
+  if (!c.dense_mask) return m;
+  if (c.key_padding) {
+    m.rows = 1;
+    m.elements = key_padding_mask(c);
+    return m;
+  }
+  m.heads = c.mask_per_head ? c.heads_q : 1;
+  const int64_t B = c.batch, slice = c.seqlen_q * c.seqlen_k;
+  m.elements.resize(B * m.heads * slice);
+  for (int64_t h = 0; h < m.heads; ++h) {
+    const std::vector<uint8_t> head_mask = random_mask(c, rng, h);  // [B, Sq, Sk]
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(head_mask.begin() + b * slice, head_mask.begin() + (b + 1) * slice,
+                m.elements.begin() + (b * m.heads + h) * slice);
+    }
+  }
+  // Row 3 of batch row 0 (its first head) sees nothing.
+  if (c.seqlen_q > 3) std::fill(m.elements.begin() + 3 * c.seqlen_k, m.elements.begin() + 4 * c.seqlen_k, 0);
+  return m;
 }
 
 // The block summary (common/mask_blocks.h) of a [B, 1, Sq, Sk] mask: [B, 1, blocks(Sq), blocks(Sk)].
@@ -384,9 +431,17 @@ bool run_case(const Case& c, std::mt19937& rng) {
   const size_t bias_elements = c.bias ? bias_strides.outer : 0;
   std::vector<float> bias(bias_elements);
   for (auto& x : bias) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-  std::vector<uint8_t> dense_mask = c.dense_mask ? random_mask(c, rng) : std::vector<uint8_t>();
-  if (c.dense_mask && Sq > 3) std::fill(dense_mask.begin() + 3 * Sk, dense_mask.begin() + 4 * Sk, 0);  // row 3 of batch 0
-  const std::vector<uint8_t> mask_summary = mask_block_summary(dense_mask, B, Sq, Sk);
+  const CaseMask case_mask_ = case_mask(c, rng);
+  const std::vector<uint8_t>& dense_mask = case_mask_.elements;
+  const int64_t mask_heads = case_mask_.heads, mask_rows = case_mask_.rows;
+  // The summary of each (batch, mask head) slice, [B, mask_heads, blocks(mask_rows), blocks(Sk)].
+  const std::vector<uint8_t> mask_summary = mask_block_summary(dense_mask, B * mask_heads, mask_rows, Sk);
+  jax_flash::BroadcastStrides mask_summary_strides = summary_strides(B, mask_rows, Sk);
+  if (mask_heads > 1) {
+    const int64_t slice = jax_flash::mask_blocks_along(mask_rows) * jax_flash::mask_blocks_along(Sk);
+    mask_summary_strides = {B * mask_heads * slice, mask_heads * slice, slice, mask_summary_strides.query,
+                            mask_summary_strides.key};
+  }
   std::vector<uint32_t> seeds(2 * B);
   for (auto& x : seeds) x = static_cast<uint32_t>(rng());
   HostTensor q = random_tensor(nq, t, c.input_scale, rng), k = random_tensor(nk, t, c.input_scale, rng),
@@ -439,7 +494,8 @@ bool run_case(const Case& c, std::mt19937& rng) {
   }
   if (c.dense_mask) {
     host.mask = reinterpret_cast<const bool*>(dense_mask.data());
-    host.mask_strides = {B * Sq * Sk, Sq * Sk, 0, Sk, 1};
+    host.mask_strides = {B * mask_heads * mask_rows * Sk, mask_heads * mask_rows * Sk,
+                         mask_heads > 1 ? mask_rows * Sk : 0, mask_rows > 1 ? Sk : 0, 1};
   }
   host.dropout_rate = c.dropout_rate;
   if (c.dropout_rate > 0.0f) host.dropout_seeds = seeds.data();
@@ -455,7 +511,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.bias = c.bias ? to_device(bias) : nullptr;
   p.mask = c.dense_mask ? reinterpret_cast<const bool*>(to_device(dense_mask)) : nullptr;
   p.mask_blocks = c.dense_mask ? to_device(mask_summary) : nullptr;
-  p.mask_blocks_strides = summary_strides(B, Sq, Sk);
+  p.mask_blocks_strides = mask_summary_strides;
   p.dropout_seeds = c.dropout_rate > 0.0f ? to_device(seeds) : nullptr;
   p.q = to_device(q.bits);
   p.k = to_device(k.bits);
@@ -619,11 +675,13 @@ std::vector<Case> case_grid(bool small) {
   return cases;
 }
 
-// The Hopper backward's grid: both kernel forms (common: masks by position, lengths and segments; transforms: also
-// softcap and/or ALiBi, with per-head slopes that change along a GQA group), head dims that run on its d=64,
-// d=128 and d=256 kernels (padded ones included; d=256 common form only), GQA/MQA group loops, many query/key tiles so that the pipelines wrap,
+// The Hopper backward's grid: its three kernel forms (common: masks by position, lengths and segments; transforms:
+// also softcap and/or ALiBi, with per-head slopes that change along a GQA group; masked: a boolean mask, whose
+// block summary has hidden, partial and visible blocks, key padding, per-head masks along a GQA group, row blocks
+// and whole batch rows that see nothing), head dims that run on its d=64, d=128 and d=256 kernels (padded ones
+// included; d=256 common form only), GQA/MQA group loops, many query/key tiles so that the pipelines wrap,
 // ragged tile edges, rows and key tiles that see nothing, deterministic reruns (the separate dQ pass; d=128
-// non-deterministic cases take the fused dQ), and one call it refuses (a bias: forced to sm80).
+// and d=64 non-deterministic cases take the fused dQ), and calls it refuses (a bias; a mask at d=256: sm80).
 std::vector<Case> sm90_backward_grid(bool small) {
   std::vector<Case> cases;
   auto add = [&](Case c) { cases.push_back(c); };
@@ -643,6 +701,10 @@ std::vector<Case> sm90_backward_grid(bool small) {
        .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .softcap = 5.0f, .alibi = true});
   add({.name = "sm90 bwd softcap + alibi d=64 odd", .seqlen_q = 100, .seqlen_k = 77, .softcap = 5.0f,
        .alibi = true});
+  add({.name = "sm90 bwd mask blocks d=128 GQA (fused dQ)", .batch = 3, .seqlen_q = 600, .seqlen_k = 520,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .dense_mask = true, .mask_blocks = true, .blind_rows = 128});
+  add({.name = "sm90 bwd key padding d=64 deterministic", .batch = 3, .seqlen_q = 300, .seqlen_k = 333,
+       .heads_q = 4, .heads_kv = 2, .deterministic = true, .dense_mask = true, .key_padding = true});
   if (small) return cases;
   for (int64_t d : {8, 64, 96, 128, 192, 256}) {
     for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
@@ -714,15 +776,54 @@ std::vector<Case> sm90_backward_grid(bool small) {
        .window_left = 0, .window_right = 0, .softcap = 5.0f, .alibi = true});
   add({.name = "sm90 bwd falls back: bias (sm80)", .seqlen_q = 100, .seqlen_k = 100, .softcap = 5.0f, .alibi = true,
        .bias = 1});
+  // The masked form (a boolean mask; d <= 128). Non-deterministic cases take the fused dQ (standalone runs always
+  // pass a workspace), deterministic ones the separate dQ pass.
+  for (int64_t d : {64, 128}) {
+    for (ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+      add({.name = "sm90 bwd mask blocks GQA blind rows", .batch = 3, .seqlen_q = 600, .seqlen_k = 520,
+           .heads_q = 4, .heads_kv = 2, .head_dim = d, .type = t, .dense_mask = true, .mask_blocks = true,
+           .blind_rows = 128});
+      add({.name = "sm90 bwd mask blocks GQA deterministic", .batch = 3, .seqlen_q = 520, .seqlen_k = 600,
+           .heads_q = 4, .heads_kv = 2, .head_dim = d, .type = t, .deterministic = true, .dense_mask = true,
+           .mask_blocks = true, .blind_rows = 64});
+      add({.name = "sm90 bwd key padding (a batch row sees nothing)", .batch = 3, .seqlen_q = 300, .seqlen_k = 333,
+           .heads_q = 2, .heads_kv = 1, .head_dim = d, .type = t, .dense_mask = true, .key_padding = true});
+    }
+    add({.name = "sm90 bwd per-head mask blocks GQA", .batch = 2, .seqlen_q = 400, .seqlen_k = 400, .heads_q = 6,
+         .heads_kv = 2, .head_dim = d, .dense_mask = true, .mask_blocks = true, .mask_per_head = true});
+    add({.name = "sm90 bwd per-head mask blocks GQA deterministic", .batch = 2, .seqlen_q = 333, .seqlen_k = 271,
+         .heads_q = 4, .heads_kv = 1, .head_dim = d, .type = ElementType::kFloat16, .deterministic = true,
+         .dense_mask = true, .mask_blocks = true, .mask_per_head = true});
+    add({.name = "sm90 bwd random mask causal", .batch = 2, .seqlen_q = 333, .seqlen_k = 300, .heads_q = 2,
+         .heads_kv = 2, .head_dim = d, .causal = true, .dense_mask = true});
+    add({.name = "sm90 bwd mask + softcap + alibi GQA", .batch = 2, .seqlen_q = 300, .seqlen_k = 333, .heads_q = 4,
+         .heads_kv = 2, .head_dim = d, .softcap = 5.0f, .alibi = true, .dense_mask = true, .mask_blocks = true});
+    add({.name = "sm90 bwd mask blocks whole batch row blind", .batch = 2, .seqlen_q = 260, .seqlen_k = 300,
+         .heads_q = 2, .heads_kv = 2, .head_dim = d, .deterministic = true, .dense_mask = true,
+         .mask_blocks = true, .blind_rows = 260});
+  }
+  add({.name = "sm90 bwd mask + seqlens + segments + window fp16", .batch = 3, .seqlen_q = 130, .seqlen_k = 200,
+       .heads_q = 4, .heads_kv = 1, .head_dim = 64, .type = ElementType::kFloat16, .window_left = 40,
+       .window_right = 7, .seqlens = true, .segments = true, .dense_mask = true, .mask_blocks = true});
+  add({.name = "sm90 bwd mask causal seqlens d=128 deterministic", .batch = 3, .seqlen_q = 129, .seqlen_k = 140,
+       .heads_q = 4, .heads_kv = 2, .head_dim = 128, .causal = true, .seqlens = true, .deterministic = true,
+       .dense_mask = true, .mask_blocks = true});
+  add({.name = "sm90 bwd key padding seqlen 1000 MQA d=128", .batch = 3, .seqlen_q = 1000, .seqlen_k = 1000,
+       .heads_q = 8, .heads_kv = 1, .head_dim = 128, .dense_mask = true, .key_padding = true});
+  add({.name = "sm90 bwd mask d=40 (padded) sq<sk", .seqlen_q = 77, .seqlen_k = 150, .head_dim = 40,
+       .dense_mask = true});
+  add({.name = "sm90 bwd mask seqlen 1", .seqlen_q = 1, .seqlen_k = 1, .head_dim = 128, .dense_mask = true});
+  add({.name = "sm90 bwd falls back: mask d=256 (sm80)", .seqlen_q = 100, .seqlen_k = 130, .head_dim = 256,
+       .dense_mask = true, .mask_blocks = true});
   return cases;
 }
 
 // Whether the Hopper backward takes this case (dispatch.cu sm90_backward_refusal, minus the device checks; the
 // grid's ALiBi distances are far below its 2^30 bound).
 bool sm90_backward_applies(const Case& c) {
-  const bool transforms = c.softcap > 0.0f || c.alibi;  // the transforms form: up to d=128
-  return c.bias == 0 && !c.dense_mask && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 &&
-         c.head_dim <= (transforms ? 128 : 256) && c.seqlen_q > 0 && c.seqlen_k > 0;
+  const bool per_element = c.softcap > 0.0f || c.alibi || c.dense_mask;  // the transforms and masked forms: d <= 128
+  return c.bias == 0 && c.dropout_rate == 0.0f && c.head_dim % 8 == 0 && c.head_dim <= (per_element ? 128 : 256) &&
+         c.seqlen_q > 0 && c.seqlen_k > 0;
 }
 
 // The benchmarks' problem: batch B of S queries and S keys, H heads of D (no GQA), bf16, scale 1/sqrt(D); the
