@@ -565,9 +565,12 @@ def test_forcing_sm90_backward_on_a_mask_at_head_dim_256_is_a_clear_error(monkey
     case = Case(head_dim=256, dtype=jnp.bfloat16)
     q, k, v = _on(GPUS[0], *case.inputs())
     mask = jax.device_put(_padding_mask([40], case.seqlen_k), GPUS[0])
-    with pytest.raises(Exception, match="sm90 backward cannot run this call: softcap, ALiBi and boolean masks"):
+    with pytest.raises(Exception) as error:
         jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
             jax_flash.attention(q_, k, v, mask=mask).astype(jnp.float32)))(q))
+    if "no sm_90a backward kernel for head_dim" in str(error.value):
+        pytest.skip("this build has no d=256 sm90 backward (JAX_FLASH_CUDA_HEAD_DIMS)")
+    assert "sm90 backward cannot run this call: softcap, ALiBi and boolean masks" in str(error.value)
 
 
 def _raw_calls_with_summary(q, k, v, mask, summary):

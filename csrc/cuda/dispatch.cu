@@ -216,7 +216,7 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   // The masked form reads a tile's mask elements at 32-bit offsets from its first one (sm90/masked_scores.h
   // MaskBits): at most 127 query and 127 key strides, so their sum stays below 2^31 with strides below 2^23.
   if (p.mask != nullptr && p.mask_strides.query + p.mask_strides.key >= (int64_t{1} << 23)) {
-    return "a boolean mask with seqlen_k >= 2^23 runs on the sm80 backward only";
+    return "a boolean mask whose query + key strides reach 2^23 elements runs on the sm80 backward only";
   }
   // The transforms form takes ALiBi distances |query + diagonal_shift - key| in 32 bits
   // (sm90/transformed_scores.h); with |diagonal_offset| + 2 (seqlen_q + seqlen_k) below 2^30 they stay far from it.
