@@ -5,14 +5,13 @@
 
 #include <type_traits>
 
-#include "pipeline.h"  // first: see there
-
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../../common/attention_params.h"
 
