@@ -118,6 +118,16 @@ def grads(q, k, v, d_o, implementation=None, **kwargs):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def bit_identical_runs(compute_grads, runs: int = 3) -> list:
+    """Calls compute_grads() `runs` times and asserts every gradient equals the first run's bit for bit; returns the
+    first run's gradients as float32 numpy arrays."""
+    results = [[np.asarray(jnp.asarray(g, jnp.float32)) for g in compute_grads()] for _ in range(runs)]
+    for run in results[1:]:
+        for first, again in zip(results[0], run):
+            np.testing.assert_array_equal(first, again)
+    return results[0]
+
+
 def max_error(x, reference) -> float:
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     reference = np.asarray(reference, np.float64)

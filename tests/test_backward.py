@@ -8,7 +8,7 @@ from jax.test_util import check_grads
 
 import jax_flash
 from jax_flash import _ffi_calls, _registration
-from attention_cases import Case, assert_gradients_within_bound, feature_kwargs, grads
+from attention_cases import Case, assert_gradients_within_bound, bit_identical_runs, feature_kwargs, grads
 
 GRAD_FEATURES = ("none", "causal", "window", "softcap", "alibi_batched_causal", "seqlens", "seqlens_causal",
                  "segments", "everything")
@@ -87,11 +87,7 @@ def test_gradients_are_deterministic():
     case = Case(batch=1, seqlen_q=200, seqlen_k=700, heads_q=2, heads_kv=1, dtype=jnp.bfloat16)
     q, k, v = case.inputs()
     d_o = jnp.ones_like(q)
-    runs = [[np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o, causal=True, deterministic=True)]
-            for _ in range(3)]
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            np.testing.assert_array_equal(a, b)
+    bit_identical_runs(lambda: grads(q, k, v, d_o, causal=True, deterministic=True))
 
 
 def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from attention_cases import (FEATURES, Case, assert_within_bound, block_structured_mask, feature_kwargs, grads,
-                              max_error, oracle, oracle_grads)
+from attention_cases import (FEATURES, Case, assert_within_bound, bit_identical_runs, block_structured_mask,
+                              feature_kwargs, grads, max_error, oracle, oracle_grads)
 
 
 def _gpus():
@@ -308,11 +308,7 @@ def test_deterministic_backward_is_bit_identical(feature, kernel, head_dim, monk
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])
     kwargs = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a
               for n, a in feature_kwargs(feature, case).items()}
-    runs = [[np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o, deterministic=True, **kwargs)]
-            for _ in range(3)]
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            np.testing.assert_array_equal(a, b)
+    bit_identical_runs(lambda: grads(q, k, v, d_o, deterministic=True, **kwargs))
 
 
 _GRAPH_SCRIPT = """
@@ -551,11 +547,7 @@ def test_backward_sm90_mask_deterministic_is_bit_identical(monkeypatch):
     q, k, v = _on(GPUS[0], *case.inputs())
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.bfloat16), GPUS[0])
     mask = jax.device_put(block_structured_mask((2, 1, 1000, 1500), seed=9, region=128), GPUS[0])
-    runs = [[np.asarray(g.astype(jnp.float32)) for g in grads(q, k, v, d_o, deterministic=True, mask=mask)]
-            for _ in range(3)]
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            np.testing.assert_array_equal(a, b)
+    bit_identical_runs(lambda: grads(q, k, v, d_o, deterministic=True, mask=mask))
 
 
 def test_forcing_sm90_backward_on_a_mask_at_head_dim_256_is_a_clear_error(monkeypatch):
@@ -673,13 +665,9 @@ def test_deterministic_dbias_is_bit_identical(shape):
     bias = jax.device_put(jax.random.normal(jax.random.key(4), shape, jnp.float32), GPUS[0])
     kwargs = _gpu_kwargs(dict(dropout_rate=0.1, dropout_rng=jax.random.key(5), causal=True,
                               mask=_padding_mask([203, 170], case.seqlen_k)))
-    runs = [[np.asarray(g.astype(jnp.float32)) for g in _grads_with_bias(q, k, v, d_o, bias, deterministic=True,
-                                                                         **kwargs)] for _ in range(3)]
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            np.testing.assert_array_equal(a, b)
+    first = bit_identical_runs(lambda: _grads_with_bias(q, k, v, d_o, bias, deterministic=True, **kwargs))
     atomic = _grads_with_bias(q, k, v, d_o, bias, **kwargs)[3]
-    np.testing.assert_allclose(np.asarray(atomic), runs[0][3], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(atomic), first[3], rtol=1e-4, atol=1e-4)
 
 
 # The sm90 forward with an additive bias and/or a boolean mask (the default; JAX_FLASH_SM90_DENSE=0 turns it off).
