@@ -108,7 +108,7 @@ JF_HOST_DEVICE SliceMaskBlocks make_slice_mask_blocks(const AttentionParams& p, 
     return m;
   }
   const BroadcastStrides& s = p.mask_blocks_strides;
-  m.blocks = p.mask_blocks + (b / p.inner_batch) * s.outer + (b % p.inner_batch) * s.batch + h * s.head;
+  m.blocks = p.mask_blocks + broadcast_slice_offset(s, p.inner_batch, b, h);
   m.query_stride = s.query;
   m.key_stride = s.key;
   m.query_blocks = mask_blocks_along(p.seqlen_q);

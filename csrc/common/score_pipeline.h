@@ -56,6 +56,12 @@ struct SliceMask {
   }
 };
 
+// Element offset of slice (flat batch row b, query head h) of a broadcast operand with strides s: b is
+// (b / inner_batch, b % inner_batch), see BroadcastStrides.
+JF_HOST_DEVICE int64_t broadcast_slice_offset(const BroadcastStrides& s, int64_t inner_batch, int64_t b, int64_t h) {
+  return (b / inner_batch) * s.outer + (b % inner_batch) * s.batch + h * s.head;
+}
+
 JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, int64_t h) {
   SliceMask m;
   m.valid_q = p.q_seqlens ? p.q_seqlens[b] : p.seqlen_q;
@@ -73,6 +79,7 @@ JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, in
     m.q_segment_ids = p.q_segment_ids + b * p.seqlen_q;
     m.kv_segment_ids = p.kv_segment_ids + b * p.seqlen_k;
   }
+  // broadcast_slice_offset's arithmetic, with the batch row split once for both operands (a 64-bit division).
   const int64_t outer = b / p.inner_batch, inner = b % p.inner_batch;
   if (p.bias != nullptr) {
     const BroadcastStrides& s = p.bias_strides;

@@ -23,8 +23,7 @@ enum class DbiasMode : int {
 
 // The corner of dbias that (batch, head) adds into.
 JF_HOST_DEVICE float* dbias_slice_of(const AttentionBackwardParams& p, int64_t batch, int64_t head) {
-  const BroadcastStrides& s = p.bias_strides;
-  return p.dbias + (batch / p.inner_batch) * s.outer + (batch % p.inner_batch) * s.batch + head * s.head;
+  return p.dbias + broadcast_slice_offset(p.bias_strides, p.inner_batch, batch, head);
 }
 
 // Which axes of [inner batch, head, query, key] the bias broadcasts along (stride 0, extent > 1). The vmap

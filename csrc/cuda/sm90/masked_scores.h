@@ -14,16 +14,16 @@
 #include <cute/tensor.hpp>
 
 #include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// The boolean mask's element (query0, key0) of slice (batch, head), a tile's origin (the pointer make_slice_mask
-// forms, without the rest of the SliceMask, for a kernel that needs only this one).
+// The boolean mask's element (query0, key0) of slice (batch, head), a tile's origin (the slice make_slice_mask
+// finds, without the rest of the SliceMask, for a kernel that needs only this one).
 __device__ __forceinline__ const bool* tile_mask_origin(const AttentionParams& p, int64_t batch, int64_t head,
                                                         int64_t query0, int64_t key0) {
   const BroadcastStrides& s = p.mask_strides;
-  return p.mask + (batch / p.inner_batch) * s.outer + (batch % p.inner_batch) * s.batch + head * s.head +
-         query0 * s.query + key0 * s.key;
+  return p.mask + broadcast_slice_offset(s, p.inner_batch, batch, head) + query0 * s.query + key0 * s.key;
 }
 
 // One bit per score element of this thread's share of a tile: whether its mask element lets the query see the key.
