@@ -287,9 +287,7 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
 
 
 def test_forcing_sm90_backward_on_an_unsupported_call_is_a_clear_error(monkeypatch):
-    if reason := _sm90_backward_refusal():
-        pytest.skip(reason)
-    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
+    use_backward_kernel(monkeypatch, "sm90", 64)
     case = Case(head_dim=64, dtype=jnp.bfloat16)
     q, k, v = _on(GPUS[0], *case.inputs())
     bias = jax.device_put(jnp.zeros((case.batch, case.heads_q, case.seqlen_q, case.seqlen_k), jnp.float32), GPUS[0])
@@ -551,9 +549,7 @@ def test_backward_sm90_mask_deterministic_is_bit_identical(monkeypatch):
 
 
 def test_forcing_sm90_backward_on_a_mask_at_head_dim_256_is_a_clear_error(monkeypatch):
-    if reason := _sm90_backward_refusal():
-        pytest.skip(reason)
-    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_BACKWARD", "sm90")
+    use_backward_kernel(monkeypatch, "sm90", 256)
     case = Case(head_dim=256, dtype=jnp.bfloat16)
     q, k, v = _on(GPUS[0], *case.inputs())
     mask = jax.device_put(_padding_mask([40], case.seqlen_k), GPUS[0])
