@@ -35,22 +35,37 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
 }
 
 // Adds a (query rows x head-dim columns) dQ accumulator to dq_accum: rows m0 + row of query head `head`; rows at
-// or past `rows_in_bounds` and columns at or past head_dim are skipped. `coords` is the identity tensor
-// partitioned like `acc`. mma.sync accumulators hold two adjacent columns of one row in consecutive registers, so
-// each pair is one reduction; an even head_dim makes every pair 8-byte aligned (row starts and columns are even).
-// An odd head_dim leaves a last column without its pair.
+// or past `rows_in_bounds` and columns at or past head_dim are skipped. `whole_tile`: the caller knows that every
+// element is in bounds and head_dim is the tile's (even) width, so no pair needs a test. `coords` is the identity
+// tensor partitioned like `acc`. mma.sync accumulators hold two adjacent columns of one row in consecutive
+// registers, so each pair is one reduction; an even head_dim makes every pair 8-byte aligned (row starts and
+// columns are even). An odd head_dim leaves a last column without its pair.
 template <class Acc, class Coords>
 __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, const Acc& acc, const Coords& coords,
-                                            int64_t batch, int64_t head, int64_t m0, int64_t rows_in_bounds) {
+                                            int64_t batch, int64_t head, int64_t m0, int64_t rows_in_bounds,
+                                            bool whole_tile) {
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   float* tile = p.dq_accum + q_shape.offset(batch, m0, head);
   const int cols_in_bounds = static_cast<int>(p.head_dim);
   const bool pairs_aligned = p.head_dim % 2 == 0;
+  // The pairs' offsets row * stride + col do not change from item to item, so the compiler would compute them
+  // once before the item loop and keep them live across it; at 255 registers that spilled them (36 local loads
+  // per item at d=128). An opaque copy of the stride makes them cheap per-item arithmetic instead.
+  int64_t row_stride = q_shape.row_stride();
+  asm volatile("" : "+l"(row_stride));
+  if (whole_tile) {  // the common case: no bounds to test, every pair 8-byte aligned
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); i += 2) {
+      const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
+      reduce_add_pair(tile + row * row_stride + col, acc(i), acc(i + 1), true);
+    }
+    return;
+  }
   CUTE_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
     const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
     if (row >= rows_in_bounds || col >= cols_in_bounds) continue;
-    float* address = tile + row * q_shape.row_stride() + col;
+    float* address = tile + row * row_stride + col;
     if (col + 1 < cols_in_bounds) {
       reduce_add_pair(address, acc(i), acc(i + 1), pairs_aligned);
     } else {

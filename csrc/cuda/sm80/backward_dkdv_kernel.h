@@ -6,7 +6,7 @@
 //   P = exp(S - lse), dS = P (dP - D)   (general variant: dropout as in row_stats.h)
 //   dV += P^T dO, dK += dS^T Q      (P, dS staged in smem and read transposed; warp grid 4x2)
 // dQ comes from its own pass (backward_dq_kernel.h), or, in the fused form (kFusedDq: a call with a dq_accum
-// workspace, not deterministic, common variant), from this one:
+// workspace, not deterministic, common variant), from this one, between dV's and dK's GEMMs:
 //   dQ_item = dS K                  (dS from the same smem tile, read row-wise; K resident; warp grid 2x4)
 //   dq_accum += dQ_item             (float32 reductions in L2, common/dq_accum.h)
 // which replaces the dQ pass's recomputed S and dP (and its own dS K): 5 GEMMs per item instead of 7, for
@@ -188,16 +188,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     gemm_smem_smem(mma_dkv, acc_dv, frag_pt, frag_dot, smem_pt_part,
                    copy_dkv_b.get_thread_slice(tid).partition_S(sdOt(stage)), copy_dkv_a, copy_dkv_b);
-    gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
-                   copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
     if constexpr (kFusedDq) {
       // sdS and sK are read-only until the next item's __syncthreads, so dS K needs no barrier of its own. The
       // S/dP warp grid (2x4) reads less of sdS and sK per warp than 4x2 would, and its accumulator is dead here.
+      // Before dK's GEMM rather than after it, so that the reductions issue while that GEMM's MMAs run.
       Tensor acc_dq = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
-      add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, min(int64_t(kBlockM), valid_q - m0));
+      const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
+      add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
+                  rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
     }
+    gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
+                   copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
   };
 
   // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);

@@ -22,7 +22,8 @@
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
-#   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ)
+#   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ);
+#                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
 #   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
 #   ncu_forms    Nsight Compute detail (pipes, stalls, issue) of one launch of each Hopper forward form through JAX
@@ -155,8 +156,8 @@ bench_cuda() {
 # backward mode runs 23 times (3 warm-up + 20 timed), fused first: dK/dV launch 0 is fused, launch 23 plain.
 ncu_bwd() {
   local sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-                  --section WarpStateStats --section SchedulerStats --section LaunchStats)
-  export JAX_FLASH_CUDA_KERNEL_BACKWARD=sm90
+                  --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats)
+  export JAX_FLASH_CUDA_KERNEL_BACKWARD=${NCU_BWD_FAMILY:-sm90}
   echo "== fused-dQ dK/dV kernel"
   ncu --kernel-name regex:dkdv_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench || return 1
   echo "== dK/dV kernel (separate dQ pass)"
