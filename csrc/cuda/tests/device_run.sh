@@ -24,6 +24,7 @@
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ);
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
+#   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
 #   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
 #   ncu_forms    Nsight Compute detail (pipes, stalls, issue) of one launch of each Hopper forward form through JAX
@@ -166,6 +167,18 @@ ncu_bwd() {
   ncu --kernel-name regex:dq_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench
 }
 
+# Where inside one kernel the warps stall: Nsight Compute's per-instruction source counters (sampled stall reasons)
+# of launch $NCU_SRC_SKIP (default 0) of kernels matching $NCU_SRC_KERNEL (default dkdv_kernel) in the standalone
+# --bench, backward family $NCU_BWD_FAMILY (default sm90); the report's SASS page as CSV, then the 40 instructions
+# with the most stall samples (ncu_src_top.txt, ncu_src_summary.py).
+ncu_src() {
+  export JAX_FLASH_CUDA_KERNEL_BACKWARD=${NCU_BWD_FAMILY:-sm90}
+  ncu --kernel-name "regex:${NCU_SRC_KERNEL:-dkdv_kernel}" --launch-skip "${NCU_SRC_SKIP:-0}" --launch-count 1 \
+    --section SourceCounters --section WarpStateStats -f -o "$out/ncu_src" "$check" --bench > /dev/null || return 1
+  ncu --import "$out/ncu_src.ncu-rep" --page source --csv --print-source sass > "$out/ncu_src_sass.csv" || return 1
+  python3 "$repo/csrc/cuda/tests/ncu_src_summary.py" "$out/ncu_src_sass.csv" 40 | tee "$out/ncu_src_top.txt"
+}
+
 # Which kernels a feature forward through JAX runs and how long each takes (feature_forward_probe.py: plain,
 # padding mask as a closure constant and as an argument, softcap): the first 40 forward-kernel launches, warm-up
 # calls included (the kernel's template arguments name its form).
@@ -213,6 +226,7 @@ run_stage() {
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
+    ncu_src) stage ncu_src 240 ncu_src ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
     probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
