@@ -168,13 +168,17 @@ ncu_bwd() {
 }
 
 # Where inside one kernel the warps stall: Nsight Compute's per-instruction source counters (sampled stall reasons)
-# of launch $NCU_SRC_SKIP (default 0) of kernels matching $NCU_SRC_KERNEL (default dkdv_kernel) in the standalone
-# --bench, backward family $NCU_BWD_FAMILY (default sm90); the report's SASS page as CSV, then the 40 instructions
-# with the most stall samples (ncu_src_top.txt, ncu_src_summary.py).
+# of launch $NCU_SRC_SKIP (default 0) of kernels matching $NCU_SRC_KERNEL (default dkdv_kernel) in $NCU_SRC_APP
+# (default: the standalone --bench, backward family $NCU_BWD_FAMILY, default sm90; e.g. NCU_SRC_APP="python3
+# benchmarks/bench_attention.py --head-dims 64 --seqlens 1024 --impls jax_flash_sm90 --forward-only --reps 2
+# --out-dir /tmp" with NCU_SRC_KERNEL=forward_kernel, NCU_SRC_SKIP=3); the report's SASS page as CSV, then the 40
+# instructions with the most stall samples (ncu_src_top.txt, ncu_src_summary.py).
 ncu_src() {
   export JAX_FLASH_CUDA_KERNEL_BACKWARD=${NCU_BWD_FAMILY:-sm90}
+  # shellcheck disable=SC2086  # NCU_SRC_APP is a command line
   ncu --kernel-name "regex:${NCU_SRC_KERNEL:-dkdv_kernel}" --launch-skip "${NCU_SRC_SKIP:-0}" --launch-count 1 \
-    --section SourceCounters --section WarpStateStats -f -o "$out/ncu_src" "$check" --bench > /dev/null || return 1
+    --section SourceCounters --section WarpStateStats -f -o "$out/ncu_src" ${NCU_SRC_APP:-$check --bench} \
+    > "$out/ncu_src_app.log" 2>&1 || return 1
   ncu --import "$out/ncu_src.ncu-rep" --page source --csv --print-source sass > "$out/ncu_src_sass.csv" || return 1
   python3 "$repo/csrc/cuda/tests/ncu_src_summary.py" "$out/ncu_src_sass.csv" 40 | tee "$out/ncu_src_top.txt"
 }
