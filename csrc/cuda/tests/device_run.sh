@@ -24,7 +24,8 @@
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ);
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
-#   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_BWD_FAMILY)
+#   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_APP, NCU_SRC_KERNEL, NCU_SRC_SKIP,
+#                NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
 #   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
 #   ncu_forms    Nsight Compute detail (pipes, stalls, issue) of one launch of each Hopper forward form through JAX

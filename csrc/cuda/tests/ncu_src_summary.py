@@ -3,9 +3,9 @@ with the most sampled warp stalls, and the stall-reason columns that dominate ea
 
     python3 ncu_src_summary.py ncu_src_sass.csv [count]
 
-The column names differ between ncu versions, so the sample count is the first column whose name contains
-"Warp Stall Sampling (All" and the reasons are the columns named "stall_*" or ending in a reason in brackets;
-any column that does not parse as a number is left out.
+The column names differ between ncu versions, so the header is the first row with a "Source" column, the sample
+count is the first column whose name contains "Warp Stall Sampling (All", and the reasons are the other columns
+whose name contains "stall" (any case) but not "Sampling"; a cell that does not parse as a number counts as 0.
 """
 import csv
 import sys
