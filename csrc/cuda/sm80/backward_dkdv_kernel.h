@@ -146,6 +146,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor smem_ds_part = copy_sdp_a.get_thread_slice(tid).partition_S(sdS);
   Tensor smem_kt_part = copy_sdp_bt.get_thread_slice(tid).partition_S(sKt);
   Tensor dq_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // The warp grid spans 64 columns, so at d=96 (or 32) the dQ accumulator is padded to the next multiple and its
+  // extra columns lie past the row: only a grid that divides the head dim may skip the column tests.
+  constexpr bool kDqTileExact = kHeadDim % cute::tile_size<1>(decltype(mma_sdp){}) == 0;
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
       const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
       add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
-                  rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
+                  kDqTileExact && rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
     }
     gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
                    copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
