@@ -15,7 +15,7 @@ DIRECTIONS = {
     "backward": ("backward_launch.h",
                  "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"),
 }
-SM90_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
+SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
 # The Hopper forward's kernel forms (sm90/forward_variant.h), one translation unit each so they compile in parallel.
 SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
