@@ -39,6 +39,7 @@ constexpr BackwardTile dkdv_tile(int head_dim) {
   // Fused dQ adds head_dim / 4 floats (the dQ slice) while S^T and dP^T are already converted.
   switch (head_dim) {
     case 64: return {64, 128, 3};         // 32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
+    case 96: return {64, 128, 2};         // 48 + 48 + 32 KiB; 32 + 32 + 48 + 48 floats
     case 128: return {64, 128, 2};        // 64 + 64 + 32 KiB; 32 + 32 + 64 + 64 floats
     default: return {64, 64, 2, true};    // 256: 64 + 128 + 32 = 224 KiB; 16 + 16 + 64 + 64 floats
   }
@@ -46,6 +47,7 @@ constexpr BackwardTile dkdv_tile(int head_dim) {
 constexpr BackwardTile dq_tile(int head_dim) {
   switch (head_dim) {
     case 64: return {128, 128, 2};   // 32 + 64 KiB; 64 + 64 + 32 floats
+    case 96: return {128, 128, 2};   // 48 + 96 KiB; 64 + 64 + 48 floats
     case 128: return {128, 64, 2};   // 64 + 64 KiB; 32 + 32 + 64 floats
     // 256: Q and dO alone are 128 KiB, so key tiles of 32 (three stages of K and V: 96 KiB, 225 KiB in all);
     // 16 + 16 + 128 floats.
@@ -60,7 +62,9 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
   return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
 }
 
-constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+constexpr bool has_sm90_backward_tile(int head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
