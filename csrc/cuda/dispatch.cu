@@ -210,8 +210,8 @@ std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   }
   const bool per_element = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.mask != nullptr;
   if (per_element && sm90_backward_head_dim(p.head_dim) > 128) {
-    return "softcap, ALiBi and boolean masks at head_dim > 128 run on the sm80 backward only (the d=256 kernel has no "
-           "transforms or masked form)";
+    return "softcap, ALiBi and boolean masks at head_dim > 128 run on the sm80 backward only (the d=192 and d=256 "
+           "kernels have no transforms or masked form)";
   }
   // The masked form reads a tile's mask elements at 32-bit offsets from its first one (sm90/masked_scores.h
   // MaskBits): at most 127 query and 127 key strides, so their sum stays below 2^31 with strides below 2^23.

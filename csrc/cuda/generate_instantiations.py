@@ -15,13 +15,13 @@ DIRECTIONS = {
     "backward": ("backward_launch.h",
                  "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"),
 }
-SM90_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
+SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/kernel_traits.h forward_tile and CMakeLists.txt
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
 # The Hopper forward's kernel forms (sm90/forward_variant.h), one translation unit each so they compile in parallel.
 SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
 SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVariant::{form}>(const AttentionParams&, "
                      "cudaStream_t);")
-SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
+SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
 SM90_BACKWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "masked": "kMasked"}

@@ -39,14 +39,18 @@ constexpr BackwardTile dkdv_tile(int head_dim) {
   // Fused dQ adds head_dim / 4 floats (the dQ slice) while S^T and dP^T are already converted.
   switch (head_dim) {
     case 64: return {64, 128, 3};         // 32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
+    case 96: return {64, 128, 2};         // 48 + 48 + 32 KiB; 32 + 32 + 48 + 48 floats
     case 128: return {64, 128, 2};        // 64 + 64 + 32 KiB; 32 + 32 + 64 + 64 floats
+    case 192: return {64, 64, 2, true};   // 48 + 96 + 32 = 176 KiB; 16 + 16 + 48 + 48 floats
     default: return {64, 64, 2, true};    // 256: 64 + 128 + 32 = 224 KiB; 16 + 16 + 64 + 64 floats
   }
 }
 constexpr BackwardTile dq_tile(int head_dim) {
   switch (head_dim) {
     case 64: return {128, 128, 2};   // 32 + 64 KiB; 64 + 64 + 32 floats
+    case 96: return {128, 128, 2};   // 48 + 96 KiB; 64 + 64 + 48 floats
     case 128: return {128, 64, 2};   // 64 + 64 KiB; 32 + 32 + 64 floats
+    case 192: return {128, 64, 2};   // 96 + 96 KiB; 32 + 32 + 96 floats
     // 256: Q and dO alone are 128 KiB, so key tiles of 32 (three stages of K and V: 96 KiB, 225 KiB in all);
     // 16 + 16 + 128 floats.
     default: return {128, 32, 3};
@@ -60,7 +64,9 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
   return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
 }
 
-constexpr bool has_sm90_backward_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+constexpr bool has_sm90_backward_tile(int head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
+}
 
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
@@ -197,8 +203,10 @@ struct DkdvSplitTraits {
   static constexpr int kConsumerRegisters = 232;
   static constexpr int kQueryCols = kBlockM / kConsumerGroups;  // S^T / dP^T columns of one warpgroup
   static constexpr int kDkvCols = kHeadDim / kConsumerGroups;   // dK / dV columns of one warpgroup
-  // 64 keys: one WGMMA M for both warpgroups; whole swizzle atoms (64 columns) per warpgroup's share of dO^T / Q^T.
-  static_assert(kBlockN == 64 && kQueryCols % 16 == 0 && kDkvCols % 64 == 0);
+  // 64 keys: one WGMMA M for both warpgroups. Each warpgroup's share of dO^T / Q^T must be whole swizzle atoms
+  // (one descriptor per share), so Q, dO, and K and V (which stage each share of dK and dV), take the widest atom
+  // that divides kDkvCols: 64 columns at d=256, 32 at d=192 (shares of 96).
+  static_assert(kBlockN == 64 && kQueryCols % 16 == 0 && kDkvCols % 32 == 0);
   static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   // One warpgroup per MMA: each picks its own shared-memory slices (its queries, its head-dim columns).
@@ -208,9 +216,9 @@ struct DkdvSplitTraits {
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDkvCols>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>()));
 
-  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kDkvCols>(),
                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also stages dK, dV
-  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kDkvCols>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
   using SmemLayoutQt = decltype(transposed_stages(SmemLayoutQ{}));
   // P^T and dS^T as (key, query, buffer): queries contiguous, i.e. the K-major A operand of the dK/dV GEMMs and the

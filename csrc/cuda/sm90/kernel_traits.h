@@ -30,16 +30,23 @@ struct ForwardTile {
 // `long_rows`: the tile of the common form for long key sequences (one CTA per tile, forward_launch.h). At d=64
 // three consumers (192 rows) measured faster there (JAX, H200: 4k 417 vs 398, 8k 458 vs 424, 16k 492 vs 437
 // TFLOP/s) but slower on short sequences and in the persistent grid, which keep 128 rows (benchmarks/NOTES.md).
+// d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
+// operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
+// narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
 constexpr ForwardTile forward_tile(int head_dim, bool long_rows = false) {
   switch (head_dim) {
     case 64: return long_rows ? ForwardTile{192, 128, 3}    //  24 + 96 (+ 24 O) = 144 KiB
                               : ForwardTile{128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
+    case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
     case 128: return {128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
+    case 192: return {128, 64, 2};   //  48 + 96 (+ 48 O) = 192 KiB; O 96 registers, S 32 + 32, P 16
     default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
 }
 
-constexpr bool has_sm90_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+constexpr bool has_sm90_tile(int head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
+}
 
 using namespace cute;
 

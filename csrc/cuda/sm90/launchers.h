@@ -11,7 +11,7 @@
 namespace jax_flash::cuda::sm90 {
 
 // Head dims with an sm90 forward tile (kernel_traits.h forward_tile).
-constexpr int kForwardHeadDims[] = {64, 128, 256};
+constexpr int kForwardHeadDims[] = {64, 96, 128, 192, 256};
 
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
