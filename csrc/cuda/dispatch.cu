@@ -30,6 +30,24 @@
 #endif
 
 namespace jax_flash::cuda {
+
+// Compute capability major of the current device, cached per device id.
+int current_device_major() {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mutex;
+  static int majors[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device < 0 || device >= kMaxDevices) return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (majors[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+    majors[device] = major;
+  }
+  return majors[device];
+}
+
 namespace {
 
 template <size_t N>
@@ -105,23 +123,6 @@ std::string with_head_dim(int head_dim, Launch&& launch) {
 constexpr int kSm90HeadDims[] = {0 JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST};  // leading 0: the list may be empty
 
 int sm90_head_dim(int64_t head_dim) { return smallest_at_least(kSm90HeadDims, head_dim); }
-
-// Compute capability major of the current device, cached per device id.
-int current_device_major() {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static int majors[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device < 0 || device >= kMaxDevices) return 0;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (majors[device] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
-    majors[device] = major;
-  }
-  return majors[device];
-}
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

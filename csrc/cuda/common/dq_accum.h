@@ -13,11 +13,13 @@
 #include <string>
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "../../common/attention_params.h"
 #include "../sm80/launch_common.h"
 #include "../sm80/tensor_offsets.h"
 #include "block_range.h"
+#include "bulk_reduce.h"
 
 namespace jax_flash::cuda {
 
@@ -71,6 +73,28 @@ __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, co
     } else {
       atomicAdd(address, acc(i));
     }
+  }
+}
+
+// The same addition built for sm_90, as the sm80 kernel's fused dQ does it there: the accumulator staged row-major
+// in shared memory (`staging`, kPitch floats per row; every coordinate inside the tile), then one bulk reduction of
+// `cols` floats per row in bounds, issued by the thread whose index is that row (one commit group each). Every
+// thread of the CTA calls it. Before the next call overwrites `staging`, the issuing threads wait for the reads
+// (bulk_wait_read) ahead of a CTA barrier. cols * 4 and `tile`'s rows are multiples of 16 bytes.
+template <int kPitch, class Acc, class Coords>
+__device__ __forceinline__ void stage_and_reduce_dq(const Acc& acc, const Coords& coords, float* staging, float* tile,
+                                                    int64_t row_stride, int rows, int cols) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc); i += 2) {  // two adjacent columns of one row per pair of registers
+    const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
+    *reinterpret_cast<float2*>(staging + row * kPitch + col) = make_float2(acc(i), acc(i + 1));
+  }
+  cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the bulk copies (async proxy)
+  __syncthreads();
+  const int row = static_cast<int>(threadIdx.x);
+  if (row < rows) {
+    bulk_reduce_add(tile + row * row_stride, staging + row * kPitch, cols * 4);
+    bulk_commit();
   }
 }
 

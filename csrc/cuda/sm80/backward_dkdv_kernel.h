@@ -19,6 +19,7 @@
 
 #include "../../common/attention_params.h"
 #include "../common/block_range.h"
+#include "../common/bulk_reduce.h"
 #include "../common/dq_accum.h"
 #include "fragments.h"
 #include "gmem_tile.h"
@@ -148,7 +149,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor dq_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // The warp grid spans 64 columns, so at d=96 (or 32) the dQ accumulator is padded to the next multiple and its
   // extra columns lie past the row: only a grid that divides the head dim may skip the column tests.
-  constexpr bool kDqTileExact = kHeadDim % cute::tile_size<1>(decltype(mma_sdp){}) == 0;
+  constexpr bool kDqTileExact = Traits::kDqTileExact;
+  // Built for sm_90, the fused dQ stages each item's tile in shared memory and adds it with one bulk reduction per
+  // row: red.global per pair of floats made the L2 the limit (the fused kernel ran 253 TFLOP/s with them, 342 with
+  // the reductions left out, at d=128 4k). The launcher runs this form on 9.x only where head_dim % 4 == 0, so
+  // that every row is a multiple of 16 bytes.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kBulkDq = kFusedDq && kDqTileExact;
+#else
+  constexpr bool kBulkDq = false;
+#endif
+  float* dq_staging = reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes);
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -187,6 +198,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor score_grads = converted<T>(acc_dp);
     copy(copy_p_out, thr_copy_p_out.retile_S(probs), thr_copy_p_out.partition_D(sP));
     copy(copy_p_out, thr_copy_p_out.retile_S(score_grads), thr_copy_p_out.partition_D(sdS));
+    // The previous item's bulk reductions have read the staged dQ tile before anyone passes this barrier and
+    // overwrites it (long done by now: dK's GEMM ran since).
+    if constexpr (kBulkDq) {
+      if (tid < kBlockM) bulk_wait_read();
+    }
     __syncthreads();
 
     gemm_smem_smem(mma_dkv, acc_dv, frag_pt, frag_dot, smem_pt_part,
@@ -199,8 +215,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       clear(acc_dq);
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
       const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
-      add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
-                  kDqTileExact && rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
+      if constexpr (kBulkDq) {
+        stage_and_reduce_dq<Traits::kDqStagingPitch>(acc_dq, dq_coords, dq_staging,
+                                                     p.dq_accum + q_shape.offset(cta.batch, m0, head),
+                                                     q_shape.row_stride(), static_cast<int>(rows_in_bounds),
+                                                     static_cast<int>(p.head_dim));
+      } else {
+        add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
+                    kDqTileExact && rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
+      }
     }
     gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
                    copy_dkv_b.get_thread_slice(tid).partition_S(sQt(stage)), copy_dkv_a, copy_dkv_b);
@@ -233,6 +256,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       accumulate_query_tile(item, stage, read_boolean_mask, cute::true_type{});
     }
     cursor = next_item(item + 1) * 2 + (kStages == 2 ? stage ^ 1 : 0);
+  }
+
+  if constexpr (kBulkDq) {
+    if (tid < kBlockM) bulk_wait_all();  // the staged tile is read before the CTA exits
   }
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.

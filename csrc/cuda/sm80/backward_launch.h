@@ -43,13 +43,16 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
   auto kernel = fused_dq                   ? dkdv_kernel<Traits, false, true>
                 : needs_general_variant(p) ? dkdv_kernel<Traits, true, false>
                                            : dkdv_kernel<Traits, false, false>;
-  if (std::string err = allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
+  // On compute capability 9.x the fused form runs its sm_90 build, which stages dQ for bulk reductions (the
+  // kernel's kBulkDq): a superset of what the sm_80 build uses, so it also fits a build without sm_90a.
+  const int smem_bytes = Traits::kSmemBytes + (fused_dq && current_device_major() == 9 ? Traits::kDqStagingBytes : 0);
+  if (std::string err = allow_dynamic_smem(kernel, smem_bytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
     return err;
   }
   if (grid == 0) return {};
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, vectorized);
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p, vectorized);
   return last_launch_error("sm80 dK/dV kernel launch");
 }
 
@@ -101,7 +104,10 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
-  if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p)) {
+  // The fused form's sm_90 build adds whole rows with bulk reductions (16-byte multiples): a head_dim that is not
+  // a multiple of 4 (rare: the odd dims run a wider kernel) takes the dQ pass there instead.
+  const bool fused_dq_fits = current_device_major() != 9 || p.head_dim % 4 == 0;
+  if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p) && fused_dq_fits) {
     const int64_t count = dq_elements(p);  // like q: the workspace's first part
     return run_fused_dq(
         p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },

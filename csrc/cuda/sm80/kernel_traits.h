@@ -147,6 +147,13 @@ struct BackwardTraits {
   static constexpr int kSmemBytes =
       (2 * kStages * kQElems + 2 * kKVElems + 2 * kPElems) * int(sizeof(Element));
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0);
+
+  // Fused dQ: whether the S/dP warp grid's columns divide the head dim (else the dQ accumulator is padded past it).
+  static constexpr bool kDqTileExact = kHeadDim % int(cute::tile_size<1>(TiledMmaSdP{})) == 0;
+  // Fused dQ built for sm_90: the float32 dQ tile staged row by row for the bulk reductions, after kSmemBytes. Rows
+  // are 8 floats longer than the tile so that a half-warp's 8-byte stores (4 rows x 32 bytes) hit 32 banks.
+  static constexpr int kDqStagingPitch = kHeadDim + 8;
+  static constexpr int kDqStagingBytes = kDqTileExact ? kBlockM * kDqStagingPitch * int(sizeof(float)) : 0;
 };
 
 }  // namespace jax_flash::cuda::sm80

@@ -8,6 +8,11 @@
 
 #include "../../common/attention_params.h"
 
+namespace jax_flash::cuda {
+// Compute capability major of the current device, cached per device id (dispatch.cu); 0 where it is unknown.
+int current_device_major();
+}  // namespace jax_flash::cuda
+
 namespace jax_flash::cuda::sm80 {
 
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }

@@ -22,6 +22,7 @@
 
 #include "../../common/attention_params.h"
 #include "../../common/dq_workspace.h"
+#include "../common/bulk_reduce.h"
 #include "../sm80/tensor_offsets.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -82,19 +83,6 @@ __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int g
         make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
   }
 }
-
-// global[0, bytes) += shared[0, bytes) in L2; both 16-byte aligned, bytes a multiple of 16. Part of the calling
-// thread's current bulk group.
-__device__ __forceinline__ void bulk_reduce_add(float* global, const float* shared, int bytes) {
-  const uint32_t shared_address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(global), "r"(shared_address), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Every committed bulk group of this thread has finished reading shared memory (its source may be overwritten).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-// Every committed bulk group of this thread is complete (its global writes done).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // The workspace chunk of query tile m_block of query head `head`: 64 * head_dim floats, 16-byte aligned when the
 // workspace is (head_dim is a multiple of 8, so a chunk is a multiple of 2 KiB).
