@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jax_flash import _mask_blocks
+from jax_flash import _gqa_packing, _mask_blocks
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
@@ -59,12 +59,16 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
             dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
-    """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``."""
+    """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``. Short GQA calls run
+    with the query heads of each KV head packed into the query rows (``_gqa_packing``)."""
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
+    group = _gqa_packing.group_to_pack(q, k, masks, config, dense)
+    if group > 1:
+        q, masks, config = _gqa_packing.pack(q, masks, config, group)
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
     o, lse = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
-    return o, lse
+    return _gqa_packing.unpack(o, lse, group) if group > 1 else (o, lse)
 
 
 FUSED_DQ_ENV = "JAX_FLASH_FUSED_DQ"

@@ -1,0 +1,101 @@
+"""Decoding-shaped attention (one query row per sequence, GQA) on the GPU: jax_flash with and without GQA packing
+(JAX_FLASH_PACK_GQA, jax_flash/_gqa_packing.py) against jax.nn.dot_product_attention (cuDNN and XLA).
+
+Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 8 / 4 / 1 (G = 4 / 8 / 32), head_dim 128, seqlen_k
+1k..64k. Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
+(bytes of K and V / time, GB/s): the number to compare with the HBM bandwidth (~4.8 TB/s on an H200).
+Times: wall clock over `--reps` jitted forward calls after warm-up, median of 3 trials (bench_attention.py).
+
+Run:  python benchmarks/bench_decode.py [--seqlens 1024 4096 16384 65536] [--heads-kv 8 4 1] [--tag TAG]
+Writes benchmarks/results/decode_<gpu>_<date>[_<tag>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import bench_attention
+
+IMPLEMENTATIONS = ("jax_flash_packed", "jax_flash_unpacked", "cudnn", "xla")
+BATCH, HEADS_Q, HEAD_DIM = 8, 32, 128
+
+
+def decode_fn(implementation: str):
+    """A fresh jitted function: JAX_FLASH_PACK_GQA is read while it traces."""
+    import jax
+
+    import jax_flash
+
+    if implementation.startswith("jax_flash"):
+        os.environ["JAX_FLASH_PACK_GQA"] = "1" if implementation == "jax_flash_packed" else "0"
+        return jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, causal=True))
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                implementation=implementation))
+
+
+def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv = jax.random.split(jax.random.key(seqlen_k + heads_kv), 3)
+    q = jax.random.normal(kq, (BATCH, 1, HEADS_Q, HEAD_DIM), jnp.bfloat16)
+    k = jax.random.normal(kk, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
+    v = jax.random.normal(kv, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
+    row = {"impl": implementation, "batch": BATCH, "seqlen_q": 1, "seqlen_k": seqlen_k, "heads_q": HEADS_Q,
+           "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": True}
+    try:
+        fn = decode_fn(implementation)
+        # compiled now, under this implementation's JAX_FLASH_PACK_GQA; the timed calls reuse the executable
+        jax.block_until_ready(fn(q, k, v))
+        seconds = bench_attention.median_seconds(fn, (q, k, v), reps)
+    except Exception as error:  # noqa: BLE001 - a backend that refuses the shape is a result, not a crash
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return row
+    kv_bytes = 2 * k.size * k.dtype.itemsize
+    row.update(us=seconds * 1e6, kv_read_gbps=kv_bytes / seconds / 1e9)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--heads-kv", type=int, nargs="+", default=[8, 4, 1])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out-dir", default=bench_attention.RESULTS_DIR)
+    args = parser.parse_args()
+
+    import jax
+
+    gpu = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    path = os.path.join(args.out_dir, f"decode_{gpu.replace(' ', '_')}_{date}" + (f"_{args.tag}" if args.tag else "")
+                        + ".json")
+    rows = []
+    for heads_kv in args.heads_kv:
+        for seqlen_k in args.seqlens:
+            times = {}
+            for implementation in args.impls:
+                row = measure(implementation, heads_kv, seqlen_k, args.reps)
+                rows.append(row)
+                times[implementation] = row.get("us")
+                shown = (f"{row['us']:8.1f} us {row['kv_read_gbps']:7.0f} GB/s" if "us" in row
+                         else row["error"])
+                print(f"G={HEADS_Q // heads_kv:2d} seqlen_k={seqlen_k:6d} {implementation:20s} {shown}", flush=True)
+            if times.get("cudnn"):
+                for implementation, us in times.items():
+                    if us and implementation != "cudnn":
+                        print(f"  {implementation:20s} time / cuDNN's: {us / times['cudnn']:.2f}")
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(path, "w") as f:  # after every shape, so that a run cut short still leaves its results
+                json.dump({"gpu": gpu, "date": date, "versions": bench_attention.versions(), "rows": rows}, f,
+                          indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""GQA packing for short query sequences: the ``G = heads_q / heads_kv`` query heads that share a KV head become
+rows of one query sequence, so that the forward kernel sees ``[B, Sq * G, Hkv, D]`` queries against the same keys
+(multi-query attention) and a query tile holds the rows of several heads.
+
+Why: a kernel tile covers 128 query rows of one head (the Hopper forward; 64 on sm80). With ``Sq = 1`` (decoding)
+and ``G = 8``, each tile has one row in use and the eight heads of a group each read the whole of K and V; packed,
+one tile holds all eight rows and K/V are read once per group.
+
+Row ``s * G + g`` of the packed call is position ``s`` of query head ``kv_head * G + g``. The per-row masks carry
+over exactly: ``q_seqlens`` scale by ``G`` (row ``s * G + g`` is valid iff ``s < q_seqlens``), ``q_segment_ids``
+repeat ``G`` times. Masks that read a row's position (causal, window, ALiBi) would see ``s * G + g`` instead of
+``s``, so those calls are not packed, except a causal one with ``Sq = 1`` (bottom-right aligned, no offset, no
+``q_seqlens``), where the one query sees every key and causal changes nothing. Calls with a bias, a boolean mask or
+dropout (per-head operands, and dropout's per-row random stream) are not packed either. The backward is not
+packed: it gets ``o`` and ``lse`` in the usual layout.
+
+``JAX_FLASH_PACK_GQA`` (read when the forward is traced): unset or ``1`` packs where it applies, ``0`` never.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+
+PACK_GQA_ENV = "JAX_FLASH_PACK_GQA"
+
+# Query rows of one forward tile (the Hopper forward's; sm80's 64 divides it): packing pays where it fills fewer
+# tiles of this height than the unpacked call.
+_TILE_ROWS = 128
+
+
+def packing_requested() -> bool:
+    value = os.environ.get(PACK_GQA_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PACK_GQA_ENV} must be 0 or 1, not {value!r}")
+    return value != "0"
+
+
+def _tiles(rows: int) -> int:
+    return -(-rows // _TILE_ROWS)
+
+
+def _query_axes_replicated(q: jax.Array) -> bool:
+    """False where ``q`` carries explicit sharding on its sequence or head axis (the packing reshapes both)."""
+    spec = tuple(jax.typeof(q).sharding.spec)
+    return all(axis is None for axis in spec[1:3])
+
+
+def _causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
+    """A causal call whose single query row sees every key: ``diag(0) = kv_len - 1``."""
+    return (q.shape[1] == 1 and config.align_to_sequence_end and config.diagonal_offset == 0
+            and masks.q_seqlens.shape[-1] == 0)
+
+
+def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                  dense: DenseOperands) -> int:
+    """The group size ``G`` the forward call packs, or 1 where it runs unpacked."""
+    seqlen_q, heads_q = q.shape[1], q.shape[2]
+    group = heads_q // k.shape[2]
+    if group == 1 or seqlen_q == 0 or not packing_requested():
+        return 1
+    if _tiles(seqlen_q * group) >= group * _tiles(seqlen_q):
+        return 1  # no tile saved (seqlen_q a multiple of the tile height)
+    if dense.has_bias or dense.mask.shape[-1] != 0 or config.dropout_rate > 0:
+        return 1
+    if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
+        return 1
+    if config.causal and not _causal_is_moot(q, masks, config):
+        return 1
+    if not _query_axes_replicated(q):
+        return 1
+    return group
+
+
+def pack(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
+         group: int) -> tuple[jax.Array, MaskOperands, ScoreConfig]:
+    """``q [B, Sq, Hkv * G, D]`` -> ``[B, Sq * G, Hkv, D]`` (row ``s * G + g``), with the query masks to match."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = heads_q // group
+    packed = q.reshape(batch, seqlen_q, heads_kv, group, head_dim).transpose(0, 1, 3, 2, 4)
+    packed = packed.reshape(batch, seqlen_q * group, heads_kv, head_dim)
+    # Clamped to the sequence first: lengths arrive saturated at int32's maximum, and times G would wrap.
+    q_seqlens = (jnp.minimum(masks.q_seqlens, seqlen_q) * group if masks.q_seqlens.shape[-1]
+                 else masks.q_seqlens)
+    q_segment_ids = (jnp.repeat(masks.q_segment_ids, group, axis=1) if masks.q_segment_ids.shape[-1]
+                     else masks.q_segment_ids)
+    masks = masks._replace(q_seqlens=q_seqlens, q_segment_ids=q_segment_ids)
+    if config.causal:  # only where it is moot (group_to_pack)
+        config = dataclasses.replace(config, causal=False)
+    return packed, masks, config
+
+
+def unpack(o: jax.Array, lse: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """The packed call's ``o [B, Sq * G, Hkv, D]`` and ``lse [B, Hkv, Sq * G]`` in the usual layouts."""
+    batch, rows, heads_kv, head_dim = o.shape
+    seqlen_q = rows // group
+    o = o.reshape(batch, seqlen_q, group, heads_kv, head_dim).transpose(0, 1, 3, 2, 4)
+    o = o.reshape(batch, seqlen_q, heads_kv * group, head_dim)
+    lse = lse.reshape(batch, heads_kv, seqlen_q, group).transpose(0, 1, 3, 2)
+    return o, lse.reshape(batch, heads_kv * group, seqlen_q)

@@ -1,0 +1,115 @@
+"""GQA packing (jax_flash/_gqa_packing.py): which forward calls pack the query heads of a KV head into the query
+rows, and that packed calls give what unpacked ones and the float64 reference give (values, lse, gradients, vmap).
+Runs on the default platform's kernels (the CPU handler in CI, the CUDA kernels on a GPU machine)."""
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _gqa_packing
+from attention_cases import Case, assert_forward_within_bound, assert_gradients_within_bound, feature_kwargs
+
+
+def forward_call_query_shapes(q, k, v, **kwargs) -> list[tuple[int, ...]]:
+    """The q operand shape of every forward custom call in the jaxpr of jax_flash.attention."""
+    jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
+    shapes = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 2:  # the forward: (o, lse)
+                shapes.append(tuple(eqn.invars[0].aval.shape))
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            visit(sub)
+
+    visit(jaxpr.jaxpr)
+    return shapes
+
+
+def packed(case: Case, **kwargs) -> bool:
+    shapes = forward_call_query_shapes(*case.inputs(), **kwargs)
+    assert len(shapes) == 1, shapes
+    group = case.heads_q // case.heads_kv
+    if shapes[0] == (case.batch, case.seqlen_q, case.heads_q, case.head_dim):
+        return False
+    assert shapes[0] == (case.batch, case.seqlen_q * group, case.heads_kv, case.head_dim), shapes
+    return True
+
+
+# (seqlen_q, heads_q, heads_kv, feature, packs)
+DECISIONS = (
+    (1, 8, 2, "none", True),
+    (1, 8, 2, "causal", True),           # one query row: causal masks nothing
+    (5, 8, 1, "none", True),
+    (5, 8, 2, "causal", False),          # the rows' positions matter
+    (5, 8, 2, "window", False),
+    (1, 8, 2, "window", False),
+    (5, 8, 2, "alibi", False),
+    (5, 8, 2, "seqlens", True),
+    (1, 8, 2, "seqlens_causal", False),  # a q_seqlens of 0 moves the causal diagonal
+    (5, 8, 2, "segments", True),
+    (5, 8, 2, "softcap", True),
+    (5, 4, 4, "none", False),            # no group to pack
+    (128, 8, 2, "none", False),          # whole tiles already
+    (60, 2, 1, "none", True),            # 120 rows: one tile instead of two
+    (100, 2, 1, "none", False),          # 200 rows: two tiles either way
+)
+
+
+@pytest.mark.parametrize("seqlen_q,heads_q,heads_kv,feature,packs", DECISIONS)
+def test_which_calls_pack(seqlen_q, heads_q, heads_kv, feature, packs, monkeypatch):
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    case = Case(seqlen_q=seqlen_q, seqlen_k=40, heads_q=heads_q, heads_kv=heads_kv, seed=seqlen_q)
+    assert packed(case, **feature_kwargs(feature, case)) == packs
+
+
+def test_dense_operands_and_switch_keep_calls_unpacked(monkeypatch):
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    case = Case(seqlen_q=3, seqlen_k=40, heads_q=8, heads_kv=2)
+    rng = np.random.default_rng(0)
+    bias = jnp.asarray(rng.normal(size=(1, 8, 3, 40)), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 1, 3, 40)) < 0.7)
+    assert packed(case)
+    assert not packed(case, bias=bias)
+    assert not packed(case, mask=mask)
+    assert not packed(case, dropout_rate=0.1, dropout_rng=jax.random.key(1))
+    monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "0")
+    assert not packed(case)
+    monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "yes")
+    with pytest.raises(ValueError, match=_gqa_packing.PACK_GQA_ENV):
+        packed(case)
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("feature", ("none", "causal", "seqlens", "segments", "softcap"))
+@pytest.mark.parametrize("seqlen_q,heads_q,heads_kv", ((1, 8, 2), (7, 4, 1), (33, 6, 2)))
+def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype, monkeypatch):
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    case = Case(seqlen_q=seqlen_q, seqlen_k=50, heads_q=heads_q, heads_kv=heads_kv, head_dim=24, dtype=dtype,
+                seed=seqlen_q + heads_q)
+    kwargs = feature_kwargs(feature, case)
+    q, k, v = case.inputs()
+    assert_forward_within_bound(q, k, v, dtype, **kwargs)
+    d_o = jax.random.normal(jax.random.key(3), q.shape, jnp.float32).astype(dtype)
+    assert_gradients_within_bound(q, k, v, d_o, dtype, **kwargs)
+    # The same call unpacked: equal up to the order of float operations inside a row (none on the CPU handler).
+    o_packed, lse_packed = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "0")
+    o_plain, lse_plain = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    np.testing.assert_allclose(np.asarray(o_packed, np.float32), np.asarray(o_plain, np.float32),
+                               rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse_packed), np.asarray(lse_plain), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_under_vmap_and_jit(monkeypatch):
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    case = Case(batch=2, seqlen_q=3, seqlen_k=30, heads_q=8, heads_kv=2, seed=11)
+    q, k, v = case.inputs()
+    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
+    batched = jax.jit(jax.vmap(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_)))(*stacked)
+    for i in range(2):
+        one = jax_flash.attention(*(x[i] for x in stacked), implementation="xla")
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(one), rtol=1e-5, atol=1e-5)
