@@ -2,7 +2,8 @@
 (JAX_FLASH_PACK_GQA, jax_flash/_gqa_packing.py) against jax.nn.dot_product_attention (cuDNN and XLA).
 
 Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 8 / 4 / 1 (G = 4 / 8 / 32), head_dim 128, seqlen_k
-1k..64k. Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
+1k..64k, not causal: the one new query sees every cached key (jax.nn's is_causal aligns the diagonal top-left, so
+it would hide all but the first key; jax_flash's bottom-right causal would be the same as none here). Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
 (bytes of K and V / time, GB/s): the number to compare with the HBM bandwidth (~4.8 TB/s on an H200).
 Times: wall clock over `--reps` jitted forward calls after warm-up, median of 3 trials (bench_attention.py).
 
@@ -31,9 +32,8 @@ def decode_fn(implementation: str):
 
     if implementation.startswith("jax_flash"):
         os.environ["JAX_FLASH_PACK_GQA"] = "1" if implementation == "jax_flash_packed" else "0"
-        return jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, causal=True))
-    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                implementation=implementation))
+        return jax.jit(lambda q, k, v: jax_flash.attention(q, k, v))
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
 
 
 def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dict:
@@ -45,7 +45,7 @@ def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dic
     k = jax.random.normal(kk, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
     v = jax.random.normal(kv, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
     row = {"impl": implementation, "batch": BATCH, "seqlen_q": 1, "seqlen_k": seqlen_k, "heads_q": HEADS_Q,
-           "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": True}
+           "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": False}
     try:
         fn = decode_fn(implementation)
         # compiled now, under this implementation's JAX_FLASH_PACK_GQA; the timed calls reuse the executable
