@@ -3,7 +3,8 @@
 
 Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 8 / 4 / 1 (G = 4 / 8 / 32), head_dim 128, seqlen_k
 1k..64k, not causal: the one new query sees every cached key (jax.nn's is_causal aligns the diagonal top-left, so
-it would hide all but the first key; jax_flash's bottom-right causal would be the same as none here). Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
+it would hide all but the first key; jax_flash's bottom-right causal would be the same as none here).
+Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
 (bytes of K and V / time, GB/s): the number to compare with the HBM bandwidth (~4.8 TB/s on an H200).
 Times: wall clock over `--reps` jitted forward calls after warm-up, median of 3 trials (bench_attention.py).
 
