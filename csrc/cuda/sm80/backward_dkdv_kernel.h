@@ -150,16 +150,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The warp grid spans 64 columns, so at d=96 (or 32) the dQ accumulator is padded to the next multiple and its
   // extra columns lie past the row: only a grid that divides the head dim may skip the column tests.
   constexpr bool kDqTileExact = Traits::kDqTileExact;
-  // Built for sm_90, the fused dQ stages each item's tile in shared memory and adds it with one bulk reduction per
-  // row: red.global per pair of floats made the L2 the limit (the fused kernel ran 253 TFLOP/s with them, 342 with
-  // the reductions left out, at d=128 4k). The launcher runs this form on 9.x only where head_dim % 4 == 0, so
-  // that every row is a multiple of 16 bytes.
+  // Built for sm_90, the fused dQ stages each item's tile in shared memory (after the kSmemBytes above) and adds it
+  // with one bulk reduction per row instead of a red.global per pair of floats: d=128 4k 259 against 253 TFLOP/s
+  // (the reductions cost most of the gap to 342 TFLOP/s without them, and neither form closes it; NOTES.md). The
+  // launcher runs this form on 9.x only where head_dim % 4 == 0, so that every row is a multiple of 16 bytes.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kBulkDq = kFusedDq && kDqTileExact;
 #else
   constexpr bool kBulkDq = false;
 #endif
-  float* dq_staging = reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes);
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -216,6 +215,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
       const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
       if constexpr (kBulkDq) {
+        float* dq_staging = reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes);
         stage_and_reduce_dq<Traits::kDqStagingPitch>(acc_dq, dq_coords, dq_staging,
                                                      p.dq_accum + q_shape.offset(cta.batch, m0, head),
                                                      q_shape.row_stride(), static_cast<int>(rows_in_bounds),
