@@ -1,7 +1,9 @@
-"""Decoding-shaped attention (one query row per sequence, GQA) on the GPU: jax_flash with and without GQA packing
-(JAX_FLASH_PACK_GQA, jax_flash/_gqa_packing.py) against jax.nn.dot_product_attention (cuDNN and XLA).
+"""Decoding-shaped attention (one query row per sequence, GQA) on the GPU: jax_flash as it runs by default (GQA
+packing and the split-KV forward where they apply), without the split (JAX_FLASH_SPLIT_KV=0, jax_flash/_kv_split.py)
+and without either (JAX_FLASH_PACK_GQA=0 too, jax_flash/_gqa_packing.py), against jax.nn.dot_product_attention
+(cuDNN and XLA).
 
-Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 8 / 4 / 1 (G = 4 / 8 / 32), head_dim 128, seqlen_k
+Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 32 / 8 / 4 / 1 (G = 1 / 4 / 8 / 32), head_dim 128, seqlen_k
 1k..64k, not causal: the one new query sees every cached key (jax.nn's is_causal aligns the diagonal top-left, so
 it would hide all but the first key; jax_flash's bottom-right causal would be the same as none here).
 Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
@@ -21,18 +23,23 @@ import os
 
 import bench_attention
 
-IMPLEMENTATIONS = ("jax_flash_packed", "jax_flash_unpacked", "cudnn", "xla")
+# jax_flash variants: (JAX_FLASH_PACK_GQA, JAX_FLASH_SPLIT_KV) while they trace.
+JAX_FLASH_SWITCHES = {"jax_flash": ("", ""), "jax_flash_unsplit": ("", "0"), "jax_flash_unpacked": ("0", "0")}
+IMPLEMENTATIONS = (*JAX_FLASH_SWITCHES, "cudnn", "xla")
 BATCH, HEADS_Q, HEAD_DIM = 8, 32, 128
 
 
 def decode_fn(implementation: str):
-    """A fresh jitted function: JAX_FLASH_PACK_GQA is read while it traces."""
+    """A fresh jitted function: JAX_FLASH_PACK_GQA and JAX_FLASH_SPLIT_KV are read while it traces."""
     import jax
 
     import jax_flash
 
-    if implementation.startswith("jax_flash"):
-        os.environ["JAX_FLASH_PACK_GQA"] = "1" if implementation == "jax_flash_packed" else "0"
+    if implementation.startswith("jax_flash_split"):  # a forced number of key chunks (--splits)
+        os.environ["JAX_FLASH_PACK_GQA"], os.environ["JAX_FLASH_SPLIT_KV"] = "", implementation[len("jax_flash_split"):]
+        return jax.jit(lambda q, k, v: jax_flash.attention(q, k, v))
+    if implementation in JAX_FLASH_SWITCHES:
+        os.environ["JAX_FLASH_PACK_GQA"], os.environ["JAX_FLASH_SPLIT_KV"] = JAX_FLASH_SWITCHES[implementation]
         return jax.jit(lambda q, k, v: jax_flash.attention(q, k, v))
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
 
@@ -49,7 +56,7 @@ def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dic
            "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": False}
     try:
         fn = decode_fn(implementation)
-        # compiled now, under this implementation's JAX_FLASH_PACK_GQA; the timed calls reuse the executable
+        # compiled now, under this implementation's switches; the timed calls reuse the executable
         jax.block_until_ready(fn(q, k, v))
         seconds = bench_attention.median_seconds(fn, (q, k, v), reps)
     except Exception as error:  # noqa: BLE001 - a backend that refuses the shape is a result, not a crash
@@ -63,8 +70,11 @@ def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    parser.add_argument("--heads-kv", type=int, nargs="+", default=[8, 4, 1])
+    parser.add_argument("--heads-kv", type=int, nargs="+", default=[32, 8, 4, 1])
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also time jax_flash with JAX_FLASH_SPLIT_KV forced to each of these (rows "
+                             "jax_flash_split<n>; a count that does not divide seqlen_k runs unsplit)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out-dir", default=bench_attention.RESULTS_DIR)
@@ -80,7 +90,7 @@ def main() -> None:
     for heads_kv in args.heads_kv:
         for seqlen_k in args.seqlens:
             times = {}
-            for implementation in args.impls:
+            for implementation in [*args.impls, *(f"jax_flash_split{n}" for n in args.splits)]:
                 row = measure(implementation, heads_kv, seqlen_k, args.reps)
                 rows.append(row)
                 times[implementation] = row.get("us")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jax_flash import _gqa_packing, _mask_blocks
+from jax_flash import _gqa_packing, _kv_split, _mask_blocks
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
@@ -57,17 +57,27 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
     return (batch, heads_q, seqlen_q)
 
 
+def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                  dense: DenseOperands) -> tuple[jax.Array, jax.Array]:
+    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
+    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
+    return call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
+
+
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
             dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``. Short GQA calls run
-    with the query heads of each KV head packed into the query rows (``_gqa_packing``)."""
+    with the query heads of each KV head packed into the query rows (``_gqa_packing``); calls with few query tiles
+    against many keys run their keys in chunks, merged by lse (``_kv_split``)."""
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     group = _gqa_packing.group_to_pack(q, k, masks, config, dense)
     if group > 1:
         q, masks, config = _gqa_packing.pack(q, masks, config, group)
-    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
-    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    o, lse = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
+    splits = _kv_split.splits_for(q, k, masks, config, dense)
+    if splits > 1:
+        o, lse = _kv_split.split_forward(_forward_call, q, k, v, masks, config, splits)
+    else:
+        o, lse = _forward_call(q, k, v, masks, config, dense)
     return _gqa_packing.unpack(o, lse, group) if group > 1 else (o, lse)
 
 

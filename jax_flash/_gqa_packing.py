@@ -51,7 +51,7 @@ def _query_axes_replicated(q: jax.Array) -> bool:
     return all(axis is None for axis in spec[1:3])
 
 
-def _causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
+def causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
     """A causal call whose single query row sees every key: ``diag(0) = kv_len - 1``."""
     return (q.shape[1] == 1 and config.align_to_sequence_end and config.diagonal_offset == 0
             and masks.q_seqlens.shape[-1] == 0)
@@ -70,7 +70,7 @@ def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: Score
         return 1
     if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
         return 1
-    if config.causal and not _causal_is_moot(q, masks, config):
+    if config.causal and not causal_is_moot(q, masks, config):
         return 1
     if not _query_axes_replicated(q):
         return 1

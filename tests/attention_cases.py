@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,6 +74,23 @@ def feature_kwargs(feature: str, case: Case) -> dict[str, Any]:
                 "q_segment_ids": jnp.asarray(np.sort(rng.integers(0, 2, (b, sq)), axis=1), jnp.int32),
                 "kv_segment_ids": jnp.asarray(np.sort(rng.integers(0, 2, (b, sk)), axis=1), jnp.int32)}
     raise ValueError(feature)
+
+
+def forward_call_operand_shapes(q, k, v, **kwargs) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (q, k) operand shapes of every forward custom call in the jaxpr of jax_flash.attention: what GQA
+    packing and the split-KV forward made of the call."""
+    jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
+    shapes = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 2:  # the forward: (o, lse)
+                shapes.append((tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape)))
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            visit(sub)
+
+    visit(jaxpr.jaxpr)
+    return shapes
 
 
 def block_structured_mask(shape, seed: int, region: int = 32, blind_parts: bool = True) -> jax.Array:

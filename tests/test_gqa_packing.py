@@ -3,34 +3,18 @@ rows, and that packed calls give what unpacked ones and the float64 reference gi
 Runs on the default platform's kernels (the CPU handler in CI, the CUDA kernels on a GPU machine)."""
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
 from jax_flash import _gqa_packing
-from attention_cases import Case, assert_forward_within_bound, assert_gradients_within_bound, feature_kwargs
-
-
-def forward_call_query_shapes(q, k, v, **kwargs) -> list[tuple[int, ...]]:
-    """The q operand shape of every forward custom call in the jaxpr of jax_flash.attention."""
-    jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
-    shapes = []
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 2:  # the forward: (o, lse)
-                shapes.append(tuple(eqn.invars[0].aval.shape))
-        for sub in jax.extend.core.subjaxprs(jaxpr):
-            visit(sub)
-
-    visit(jaxpr.jaxpr)
-    return shapes
+from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound, feature_kwargs,
+                             forward_call_operand_shapes)
 
 
 def packed(case: Case, **kwargs) -> bool:
-    shapes = forward_call_query_shapes(*case.inputs(), **kwargs)
+    shapes = [q_shape for q_shape, _ in forward_call_operand_shapes(*case.inputs(), **kwargs)]
     assert len(shapes) == 1, shapes
     group = case.heads_q // case.heads_kv
     if shapes[0] == (case.batch, case.seqlen_q, case.heads_q, case.head_dim):
