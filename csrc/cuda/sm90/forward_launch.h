@@ -127,16 +127,24 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   return sm80::last_launch_error("sm90 forward kernel launch");
 }
 
-// One kernel form (forward_variant.h); forward_dispatch.h picks it per call. Long key sequences on the per-tile
-// grid take the common form's long-rows tile where the head dim has one (kernel_traits.h forward_tile).
+// One kernel form (forward_variant.h); forward_dispatch.h picks it per call. In the common form, calls with at most
+// 64 query rows take the short-rows tile, and long key sequences on the per-tile grid the long-rows tile, where the
+// head dim has them (kernel_traits.h forward_tile).
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   bool persistent = false;
   int64_t max_ctas = 0;
   if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
-  if constexpr (kVariant == ForwardVariant::kCommon && has_long_rows_tile(kHeadDim)) {
+  if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kShort)) {
+    if (p.seqlen_q <= forward_tile(kHeadDim, RowTile::kShort).block_m) {
+      using Short = ForwardTraits<kHeadDim, Element, RowTile::kShort>;
+      return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
+    }
+  }
+  if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kLong)) {
     if (!persistent && p.seqlen_k > kPersistentMaxSeqlenK) {
-      return launch_tiles<ForwardTraits<kHeadDim, Element, true>, kVariant>(p, persistent, max_ctas, stream);
+      using Long = ForwardTraits<kHeadDim, Element, RowTile::kLong>;
+      return launch_tiles<Long, kVariant>(p, persistent, max_ctas, stream);
     }
   }
   return launch_tiles<ForwardTraits<kHeadDim, Element>, kVariant>(p, persistent, max_ctas, stream);

@@ -27,18 +27,26 @@ struct ForwardTile {
 // plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer).
 // Register budget per consumer thread after setmaxnreg (240 with two consumers, 160 with three): O is
 // head_dim / 2 floats, S and the next S are block_n / 2 floats each, P block_n / 4 registers.
-// `long_rows`: the tile of the common form for long key sequences (one CTA per tile, forward_launch.h). At d=64
-// three consumers (192 rows) measured faster there (JAX, H200: 4k 417 vs 398, 8k 458 vs 424, 16k 492 vs 437
-// TFLOP/s) but slower on short sequences and in the persistent grid, which keep 128 rows (benchmarks/NOTES.md).
+// Which of a head dim's row tiles (the common form has up to three; the other forms take kStandard):
+//  - kLong: for long key sequences (one CTA per tile, forward_launch.h). At d=64 three consumers (192 rows) measured
+//    faster there (JAX, H200: 4k 417 vs 398, 8k 458 vs 424, 16k 492 vs 437 TFLOP/s) but slower on short sequences
+//    and in the persistent grid, which keep 128 rows (benchmarks/NOTES.md).
+//  - kShort: one consumer (64 rows) for calls with at most 64 query rows, decoding above all (a single query row,
+//    or G of them with GQA packing): a 128-row tile would compute 64 rows that hold nothing, and such calls read
+//    long K/V with few tiles, so the freed shared memory goes to a deeper K/V pipeline instead.
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
-constexpr ForwardTile forward_tile(int head_dim, bool long_rows = false) {
+enum class RowTile { kStandard, kLong, kShort };
+
+constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
-    case 64: return long_rows ? ForwardTile{192, 128, 3}    //  24 + 96 (+ 24 O) = 144 KiB
-                              : ForwardTile{128, 128, 3};   //  16 + 96 (+ 16 O) = 128 KiB
+    case 64: return rows == RowTile::kLong    ? ForwardTile{192, 128, 3}   //  24 + 96 (+ 24 O) = 144 KiB
+                    : rows == RowTile::kShort ? ForwardTile{64, 128, 4}    //   8 + 128 (+ 8 O) = 144 KiB
+                                              : ForwardTile{128, 128, 3};  //  16 + 96 (+ 16 O) = 128 KiB
     case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
-    case 128: return {128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
+    case 128: return rows == RowTile::kShort ? ForwardTile{64, 128, 3}     //  16 + 192 (+ 16 O) = 224 KiB
+                                             : ForwardTile{128, 128, 2};   //  32 + 128 (+ 32 O) = 192 KiB
     case 192: return {128, 64, 2};   //  48 + 96 (+ 48 O) = 192 KiB; O 96 registers, S 32 + 32, P 16
     default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
@@ -62,16 +70,16 @@ constexpr auto k_major_smem_atom() {
   }
 }
 
-// A head dim whose common form has a separate tile for long key sequences.
-constexpr bool has_long_rows_tile(int head_dim) {
-  return forward_tile(head_dim, true).block_m != forward_tile(head_dim, false).block_m;
+// A head dim whose common form has a tile of its own for `rows`.
+constexpr bool has_row_tile(int head_dim, RowTile rows) {
+  return forward_tile(head_dim, rows).block_m != forward_tile(head_dim).block_m;
 }
 
-template <int kHeadDim_, class Element_, bool kLongRows = false>
+template <int kHeadDim_, class Element_, RowTile kRows = RowTile::kStandard>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr ForwardTile kTile = forward_tile(kHeadDim, kLongRows);
+  static constexpr ForwardTile kTile = forward_tile(kHeadDim, kRows);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -80,9 +88,9 @@ struct ForwardTraits {
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers
   // (multiples of 8; 128 * producer + consumer threads * consumer <= 65536).
-  static constexpr int kProducerRegisters = kConsumerGroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 240 : 160;
-  static_assert(kConsumerGroups == 2 || kConsumerGroups == 3, "register split for 2 or 3 consumers");
+  static constexpr int kProducerRegisters = kConsumerGroups == 3 ? 32 : kConsumerGroups == 2 ? 24 : 40;
+  static constexpr int kConsumerRegisters = kConsumerGroups == 3 ? 160 : 240;
+  static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
 

@@ -620,6 +620,12 @@ std::vector<Case> case_grid(bool small) {
   // seqlen_k > 2048: the Hopper forward's per-tile grid, at d=64 with its 192-row tile (kernel_traits.h).
   add({.name = "d=64 long keys (192-row tile) GQA causal", .batch = 1, .seqlen_q = 450, .seqlen_k = 2200,
        .heads_q = 4, .heads_kv = 2, .head_dim = 64, .causal = true});
+  // At most 64 query rows: the Hopper forward's one-consumer tile (kernel_traits.h RowTile::kShort), on the per-tile
+  // grid (seqlen_k > 2048) and on the persistent one.
+  add({.name = "d=128 decoding rows (64-row tile) GQA seqlens", .batch = 2, .seqlen_q = 5, .seqlen_k = 2300,
+       .heads_q = 8, .heads_kv = 2, .head_dim = 128, .seqlens = true});
+  add({.name = "d=64 64 rows (64-row tile) causal fp16", .batch = 2, .seqlen_q = 64, .seqlen_k = 300, .heads_q = 4,
+       .heads_kv = 2, .head_dim = 64, .type = ElementType::kFloat16, .causal = true});
   if (small) return cases;
   add({.name = "d=64 long keys seqlens + window fp16", .batch = 2, .seqlen_q = 700, .seqlen_k = 2500, .heads_q = 3,
        .heads_kv = 1, .head_dim = 64, .type = ElementType::kFloat16, .window_left = 900, .window_right = 40,
