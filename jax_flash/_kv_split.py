@@ -11,8 +11,9 @@ How: ``k [B, Sk, H, D]`` reshapes (no copy) to ``[B * n, Sk / n, H, D]``; ``q`` 
 ``o = sum_i exp(lse_i - lse) o_i`` (float32 sums; a row no chunk lets see a key keeps ``o = 0``, ``lse = -inf``).
 
 Where: calls whose masks do not read a key's position (no window, no ALiBi; causal only where it is moot, see
-``_gqa_packing``), without bias, boolean mask or dropout, where the unsplit call has fewer tiles than
-``_TARGET_TILES`` and ``seqlen_k`` has a divisor that leaves chunks of at least ``_MIN_CHUNK`` keys. The backward
+``_gqa_packing``), without bias, boolean mask or dropout, with at most one row tile of queries per (batch, head)
+(``seqlen_q <= 128`` after packing: the decoding shapes it was measured on), where the unsplit call has fewer tiles
+than ``_TARGET_TILES`` and ``seqlen_k`` has a divisor that leaves chunks of at least ``_MIN_CHUNK`` keys. The backward
 is not split: it gets the merged ``o`` and ``lse``.
 
 ``JAX_FLASH_SPLIT_KV`` (read when the forward is traced): unset or empty chooses as above, ``0`` never splits, an
@@ -38,7 +39,7 @@ SPLIT_KV_ENV = "JAX_FLASH_SPLIT_KV"
 _TARGET_TILES = 264
 # Fewest keys per chunk: below this a tile's fixed costs (loading Q, the epilogue) outweigh its key loop.
 _MIN_CHUNK = 256
-_TILE_ROWS = 128  # query rows of one forward tile (the Hopper forward's)
+_TILE_ROWS = 128  # query rows of the Hopper forward's standard tile
 
 ForwardCall = Callable[[jax.Array, jax.Array, jax.Array, MaskOperands, ScoreConfig, DenseOperands],
                        tuple[jax.Array, jax.Array]]
@@ -79,7 +80,9 @@ def splits_for(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreCon
     if forced is not None:
         return forced if seqlen_k % forced == 0 else 1
     batch, seqlen_q, heads = q.shape[:3]
-    tiles = batch * heads * -(-seqlen_q // _TILE_ROWS)
+    if seqlen_q > _TILE_ROWS:
+        return 1  # measured for decoding shapes only (one row tile per slice); prefill keeps its own tiles
+    tiles = batch * heads
     wanted = min(-(-_TARGET_TILES // tiles), seqlen_k // _MIN_CHUNK)
     # The largest divisor of seqlen_k up to `wanted` (chunks reshape without a copy only when they are equal).
     return next(n for n in range(max(wanted, 1), 0, -1) if seqlen_k % n == 0)

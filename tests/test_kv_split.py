@@ -41,6 +41,8 @@ DECISIONS = (
     (64, 1, 4096, 8, 8, "none", 1),      # 512 tiles already
     (4, 1, 4096, 16, 16, "none", 4),     # 64 tiles: 264 / 64 rounds up to 5, and 4 is the largest divisor up to 5
     (1, 5, 4096, 8, 8, "causal", 1),     # the rows' positions matter
+    (1, 128, 4096, 1, 1, "none", 16),    # one row tile
+    (1, 129, 4096, 1, 1, "none", 1),     # two row tiles: prefill, not split
     (1, 1, 4096, 8, 8, "window", 1),
     (1, 1, 4096, 8, 8, "alibi", 1),
     (1, 1, 4096, 8, 8, "softcap", 16),
