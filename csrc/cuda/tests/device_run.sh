@@ -29,6 +29,9 @@
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
 #   ncu_features the same under Nsight Compute: which kernel each call ran and its duration
 #   ncu_forms    Nsight Compute detail (pipes, stalls, issue) of one launch of each Hopper forward form through JAX
+#   ncu_decode   Nsight Compute detail (memory, pipes, stalls) of one decoding forward launch through JAX
+#                (bench_decode.py, G = 32 / heads_kv $NCU_DECODE_HEADS_KV (default 1), seqlen_k $NCU_DECODE_SEQLEN
+#                (default 65536), split-KV and packing as by default), after the warm-up launches
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
@@ -209,6 +212,16 @@ ncu_forms() {
   done
 }
 
+ncu_decode() {
+  (cd /tmp && ncu --kernel-name regex:forward_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+     --section SchedulerStats --section LaunchStats --section Occupancy python3 "$repo/benchmarks/bench_decode.py" \
+     --impls jax_flash --heads-kv "${NCU_DECODE_HEADS_KV:-1}" --seqlens "${NCU_DECODE_SEQLEN:-65536}" --reps 1 \
+     --out-dir /tmp) > "$out/ncu_decode_full.log" 2>&1 || return 1
+  grep -iE "forward_kernel<|Duration|Throughput|Hit Rate|Busy|Executed Ipc|stall|Registers Per|Grid Size|Waves" \
+    "$out/ncu_decode_full.log" | head -n 60
+}
+
 if [ "${1:-}" = __function ]; then
   shift
   "$@"
@@ -234,6 +247,7 @@ run_stage() {
     ncu_src) stage ncu_src 240 ncu_src ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
+    ncu_decode) stage ncu_decode 150 ncu_decode ;;
     probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
