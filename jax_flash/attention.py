@@ -10,7 +10,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _validation, sharding
+from jax_flash import _key_masks, _validation, sharding
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 from jax_flash.reference import attention_reference
 
@@ -80,9 +80,11 @@ _flash.defvjp(_flash_forward, _flash_backward, symbolic_zeros=True)
 
 def run(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
         implementation: Implementation, dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
-    """Dispatches validated, normalised arguments. Returns ``(o, lse)``."""
+    """Dispatches validated, normalised arguments. Returns ``(o, lse)``. The kernels get a key-only mask of a
+    decoding-shaped call as kv lengths and segment ids (``_key_masks``)."""
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     if implementation is None:
+        masks, dense = _key_masks.as_lengths_and_segments(q, k, masks, config, dense)
         return _flash(q, k, v, masks, dense, config)
     if implementation == "xla":
         return attention_reference(q, k, v, masks, config, dense)

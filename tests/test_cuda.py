@@ -29,6 +29,14 @@ CPU = jax.devices("cpu")[0]
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+@pytest.fixture(autouse=True)
+def dense_masks_stay_dense(monkeypatch):
+    """These tests aim boolean masks at the kernels' mask forms: short calls keep their key-only masks dense rather
+    than as kv lengths and segment ids (jax_flash/_key_masks.py, tested against the dense path in
+    test_key_masks.py)."""
+    monkeypatch.setenv("JAX_FLASH_KEY_MASKS", "0")
+
+
 def test_built_with_cuda():
     assert jax_flash.BUILT_WITH_CUDA, "a GPU is present but jax_flash was built without its CUDA kernels"
 

@@ -60,8 +60,10 @@ def dot_product_attention(
     ``jax.nn.dot_product_attention``.
 
     Masks (padding masks, ``nn.make_causal_mask``, the ``decode`` cache mask),
-    additive biases and attention dropout go to the kernels (on the CPU today;
-    the GPU kernels refuse them with a clear error until they support them).
+    additive biases and attention dropout go to the kernels. A key-only mask
+    (the ``decode`` cache mask, a key-padding mask) of a short query sequence
+    runs as kv lengths and segment ids, so decoding takes the GQA-packed,
+    split-KV path (see ``JAX_FLASH_KEY_MASKS`` in the README).
     Dropout masks are drawn independently for every (batch, head, query, key)
     element, as with Flax's ``broadcast_dropout=False``, whatever that flag says.
     Not supported (each raises ``NotImplementedError``): sowing the attention

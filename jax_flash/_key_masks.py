@@ -1,0 +1,75 @@
+"""Key-only boolean masks as kv lengths and segment ids, for short query sequences (decoding).
+
+A boolean mask that is the same for every head and query row (static shape ``[B|1, 1, 1, Sk]``: a padding mask,
+or the cache mask of Flax's ``decode=True`` layers) only says which keys exist. The per-batch operands say the same
+thing exactly:
+
+- ``kv_seqlens`` = one past the mask's last visible key (0 if none): the keys after it are hidden anyway;
+- ``q_segment_ids`` = 1 and ``kv_segment_ids`` = the mask as 0/1: hides the hidden keys before that length.
+
+Unlike the dense mask, these do not read a key's position in a way that stops GQA packing (``_gqa_packing``) or the
+split-KV forward (``_kv_split``), and the kernels skip the key tiles past the length without loading them, where the
+dense mask's kernels run one tile per (batch, head) over the whole cache. Decoding with such a mask then takes the
+same path as decoding with ``kv_seqlens``.
+
+Where: calls with at most 128 query rows (``_TILE_ROWS``: decoding shapes, where the gain is), whose mask is key-only
+and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
+into one) and without the masks whose alignment moves with ``kv_seqlens`` (window, ALiBi, causal unless moot: see
+``_gqa_packing.causal_is_moot``). The caller's own ``kv_seqlens`` combine by minimum.
+
+``JAX_FLASH_KEY_MASKS`` (read when the call is traced): unset or ``1`` converts where it applies, ``0`` keeps the
+dense mask.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+from jax_flash._gqa_packing import causal_is_moot
+
+KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
+_TILE_ROWS = 128
+
+
+def conversion_requested() -> bool:
+    value = os.environ.get(KEY_MASKS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{KEY_MASKS_ENV} must be 0 or 1, not {value!r}")
+    return value != "0"
+
+
+def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    mask_shape = dense.mask.shape
+    if mask_shape[-1] == 0 or mask_shape[1:3] != (1, 1) or mask_shape[3] != k.shape[1]:
+        return False  # no mask, or one that differs between heads or query rows
+    if dense.has_bias or dense.dropout_seeds.shape[-1] != 0 or q.shape[1] > _TILE_ROWS:
+        return False
+    if masks.q_segment_ids.shape[-1] != 0 or masks.alibi_slopes.shape[-1] != 0:
+        return False
+    if config.window_left >= 0 or config.window_right >= 0:
+        return False
+    if config.causal and not causal_is_moot(q, masks, config):
+        return False
+    return conversion_requested()
+
+
+def as_lengths_and_segments(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                            dense: DenseOperands) -> tuple[MaskOperands, DenseOperands]:
+    """The call's operands with a key-only mask moved into ``kv_seqlens`` and segment ids, where that applies
+    (module docstring); otherwise unchanged."""
+    if not _converts(q, k, masks, config, dense):
+        return masks, dense
+    batch, seqlen_q = q.shape[:2]
+    seqlen_k = k.shape[1]
+    visible = jnp.broadcast_to(dense.mask[:, 0, 0, :], (batch, seqlen_k))
+    last_visible = seqlen_k - 1 - jnp.argmax(visible[:, ::-1], axis=1)
+    lengths = jnp.where(jnp.any(visible, axis=1), last_visible + 1, 0).astype(jnp.int32)[:, None]
+    if masks.kv_seqlens.shape[-1]:
+        lengths = jnp.minimum(lengths, masks.kv_seqlens)
+    masks = masks._replace(kv_seqlens=lengths, q_segment_ids=jnp.ones((batch, seqlen_q), jnp.int32),
+                           kv_segment_ids=visible.astype(jnp.int32))
+    return masks, dense._replace(mask=DenseOperands.absent(batch).mask)
