@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+
+# Query rows of the Hopper forward's standard tile (sm80's 64 divides it): what GQA packing, the split-KV forward and
+# the key-mask conversion count a call's query tiles in.
+TILE_ROWS = 128
+
+
+def switch_on(variable: str) -> bool:
+    """An on/off environment switch, read when a call is traced: unset, empty or ``1`` is on, ``0`` off."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable} must be 0 or 1, not {value!r}")
+    return value != "0"
 
 @dataclasses.dataclass(frozen=True)
 class ScoreConfig:

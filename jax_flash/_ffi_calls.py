@@ -4,15 +4,13 @@ so eval_shape, jit and jax.export work without running anything; vmap folds mapp
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from jax_flash import _gqa_packing, _kv_split, _mask_blocks
-from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig, switch_on
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
 
@@ -90,10 +88,7 @@ def fused_dq_requested() -> bool:
     when a backward is traced): unset or ``1`` (the default: measured faster on the H200 for both kernel families,
     benchmarks/NOTES.md), ``0`` for the separate pass.
     """
-    value = os.environ.get(FUSED_DQ_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_DQ_ENV} must be 0 or 1, not {value!r}")
-    return value != "0"
+    return switch_on(FUSED_DQ_ENV)
 
 
 # The one switch for fused dQ at head_dim 64: 64 fuses it. The Hopper one-reduction-per-item form measured at

@@ -20,29 +20,21 @@ packed: it gets ``o`` and ``lse`` in the usual layout.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, switch_on
 
 PACK_GQA_ENV = "JAX_FLASH_PACK_GQA"
 
-# Query rows of one forward tile (the Hopper forward's; sm80's 64 divides it): packing pays where it fills fewer
-# tiles of this height than the unpacked call.
-_TILE_ROWS = 128
-
-
 def packing_requested() -> bool:
-    value = os.environ.get(PACK_GQA_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{PACK_GQA_ENV} must be 0 or 1, not {value!r}")
-    return value != "0"
+    return switch_on(PACK_GQA_ENV)
 
 
 def _tiles(rows: int) -> int:
-    return -(-rows // _TILE_ROWS)
+    """Query tiles of ``rows`` rows: packing pays where it fills fewer of them than the unpacked call."""
+    return -(-rows // TILE_ROWS)
 
 
 def _query_axes_replicated(q: jax.Array) -> bool:

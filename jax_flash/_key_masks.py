@@ -12,7 +12,7 @@ split-KV forward (``_kv_split``), and the kernels skip the key tiles past the le
 dense mask's kernels run one tile per (batch, head) over the whole cache. Decoding with such a mask then takes the
 same path as decoding with ``kv_seqlens``.
 
-Where: calls with at most 128 query rows (``_TILE_ROWS``: decoding shapes, where the gain is), whose mask is key-only
+Where: calls with at most 128 query rows (``TILE_ROWS``: decoding shapes, where the gain is), whose mask is key-only
 and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
 into one) and without the masks whose alignment moves with ``kv_seqlens`` (window, ALiBi, causal unless moot: see
 ``_gqa_packing.causal_is_moot``). The caller's own ``kv_seqlens`` combine by minimum.
@@ -23,30 +23,20 @@ dense mask.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, switch_on
 from jax_flash._gqa_packing import causal_is_moot
 
 KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
-_TILE_ROWS = 128
-
-
-def conversion_requested() -> bool:
-    value = os.environ.get(KEY_MASKS_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{KEY_MASKS_ENV} must be 0 or 1, not {value!r}")
-    return value != "0"
 
 
 def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
     mask_shape = dense.mask.shape
     if mask_shape[-1] == 0 or mask_shape[1:3] != (1, 1) or mask_shape[3] != k.shape[1]:
         return False  # no mask, or one that differs between heads or query rows
-    if dense.has_bias or dense.dropout_seeds.shape[-1] != 0 or q.shape[1] > _TILE_ROWS:
+    if dense.has_bias or dense.dropout_seeds.shape[-1] != 0 or q.shape[1] > TILE_ROWS:
         return False
     if masks.q_segment_ids.shape[-1] != 0 or masks.alibi_slopes.shape[-1] != 0:
         return False
@@ -54,7 +44,7 @@ def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConf
         return False
     if config.causal and not causal_is_moot(q, masks, config):
         return False
-    return conversion_requested()
+    return switch_on(KEY_MASKS_ENV)
 
 
 def as_lengths_and_segments(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,

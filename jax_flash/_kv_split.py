@@ -30,7 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
+from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig
 from jax_flash._gqa_packing import causal_is_moot
 
 SPLIT_KV_ENV = "JAX_FLASH_SPLIT_KV"
@@ -39,7 +39,6 @@ SPLIT_KV_ENV = "JAX_FLASH_SPLIT_KV"
 _TARGET_TILES = 264
 # Fewest keys per chunk: below this a tile's fixed costs (loading Q, the epilogue) outweigh its key loop.
 _MIN_CHUNK = 256
-_TILE_ROWS = 128  # query rows of the Hopper forward's standard tile
 
 ForwardCall = Callable[[jax.Array, jax.Array, jax.Array, MaskOperands, ScoreConfig, DenseOperands],
                        tuple[jax.Array, jax.Array]]
@@ -80,7 +79,7 @@ def splits_for(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreCon
     if forced is not None:
         return forced if seqlen_k % forced == 0 else 1
     batch, seqlen_q, heads = q.shape[:3]
-    if seqlen_q > _TILE_ROWS:
+    if seqlen_q > TILE_ROWS:
         return 1  # measured for decoding shapes only (one row tile per slice); prefill keeps its own tiles
     tiles = batch * heads
     wanted = min(-(-_TARGET_TILES // tiles), seqlen_k // _MIN_CHUNK)

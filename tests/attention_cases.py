@@ -93,6 +93,17 @@ def forward_call_operand_shapes(q, k, v, **kwargs) -> list[tuple[tuple[int, ...]
     return shapes
 
 
+def assert_vmapped_jit_matches_xla(case: Case) -> None:
+    """jax_flash.attention under jit(vmap) over a stack of two calls (the inputs and twice them) against each call of
+    the pure-JAX path."""
+    q, k, v = case.inputs()
+    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
+    batched = jax.jit(jax.vmap(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_)))(*stacked)
+    for i in range(2):
+        one = jax_flash.attention(*(x[i] for x in stacked), implementation="xla")
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(one), rtol=1e-5, atol=1e-5)
+
+
 def block_structured_mask(shape, seed: int, region: int = 32, blind_parts: bool = True) -> jax.Array:
     """A boolean mask of ``shape`` ([..., Sq, Sk]) made of ``region x region`` squares, each hidden, visible, half
     or almost all visible at random, so that its 64 x 64 blocks (jax_flash/_mask_blocks.py) take every summary

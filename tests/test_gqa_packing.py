@@ -9,8 +9,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _gqa_packing
-from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound, feature_kwargs,
-                             forward_call_operand_shapes)
+from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound,
+                             assert_vmapped_jit_matches_xla, feature_kwargs, forward_call_operand_shapes)
 
 
 def packed(case: Case, **kwargs) -> bool:
@@ -90,10 +90,4 @@ def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype
 
 def test_packed_under_vmap_and_jit(monkeypatch):
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
-    case = Case(batch=2, seqlen_q=3, seqlen_k=30, heads_q=8, heads_kv=2, seed=11)
-    q, k, v = case.inputs()
-    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
-    batched = jax.jit(jax.vmap(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_)))(*stacked)
-    for i in range(2):
-        one = jax_flash.attention(*(x[i] for x in stacked), implementation="xla")
-        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(one), rtol=1e-5, atol=1e-5)
+    assert_vmapped_jit_matches_xla(Case(batch=2, seqlen_q=3, seqlen_k=30, heads_q=8, heads_kv=2, seed=11))

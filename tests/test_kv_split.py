@@ -9,8 +9,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _gqa_packing, _kv_split
-from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound, feature_kwargs,
-                             forward_call_operand_shapes)
+from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound,
+                             assert_vmapped_jit_matches_xla, feature_kwargs, forward_call_operand_shapes)
 
 
 @pytest.fixture(autouse=True)
@@ -62,10 +62,11 @@ def test_dense_operands_and_switch(monkeypatch):
     case = Case(batch=1, seqlen_q=1, seqlen_k=1024, heads_q=4, heads_kv=4, head_dim=8)
     rng = np.random.default_rng(0)
     bias = jnp.asarray(rng.normal(size=(1, 4, 1, 1024)), jnp.float32)
-    mask = jnp.asarray(rng.random((1, 1, 1, 1024)) < 0.7)
+    mask = jnp.asarray(rng.random((1, 4, 1, 1024)) < 0.7)  # per head: stays a dense mask
     assert chunks(case) == 4
     assert chunks(case, bias=bias) == 1
     assert chunks(case, mask=mask) == 1
+    assert chunks(case, mask=mask[:, :1]) == 4  # key-only: kv lengths and segment ids (_key_masks)
     assert chunks(case, dropout_rate=0.1, dropout_rng=jax.random.key(1)) == 1
     monkeypatch.setenv(_kv_split.SPLIT_KV_ENV, "0")
     assert chunks(case) == 1
@@ -133,10 +134,4 @@ def test_empty_chunks_and_rows_without_keys(monkeypatch):
 
 def test_split_under_vmap_and_jit(monkeypatch):
     monkeypatch.setenv(_kv_split.SPLIT_KV_ENV, "4")
-    case = Case(batch=2, seqlen_q=1, seqlen_k=40, heads_q=8, heads_kv=2, seed=11)
-    q, k, v = case.inputs()
-    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
-    batched = jax.jit(jax.vmap(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_)))(*stacked)
-    for i in range(2):
-        one = jax_flash.attention(*(x[i] for x in stacked), implementation="xla")
-        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(one), rtol=1e-5, atol=1e-5)
+    assert_vmapped_jit_matches_xla(Case(batch=2, seqlen_q=1, seqlen_k=40, heads_q=8, heads_kv=2, seed=11))
