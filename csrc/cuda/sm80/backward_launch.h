@@ -37,15 +37,17 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const 
 }
 
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
+// on_sm90: the device is compute capability 9.x.
 template <int kHeadDim, class Element>
-std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, cudaStream_t stream) {
+std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, bool on_sm90,
+                        cudaStream_t stream) {
   using Traits = BackwardTraits<kHeadDim, Element>;
   auto kernel = fused_dq                   ? dkdv_kernel<Traits, false, true>
                 : needs_general_variant(p) ? dkdv_kernel<Traits, true, false>
                                            : dkdv_kernel<Traits, false, false>;
   // On compute capability 9.x the fused form runs its sm_90 build, which stages dQ for bulk reductions (the
   // kernel's kBulkDq): a superset of what the sm_80 build uses, so it also fits a build without sm_90a.
-  const int smem_bytes = Traits::kSmemBytes + (fused_dq && current_device_major() == 9 ? Traits::kDqStagingBytes : 0);
+  const int smem_bytes = Traits::kSmemBytes + (fused_dq && on_sm90 ? Traits::kDqStagingBytes : 0);
   if (std::string err = allow_dynamic_smem(kernel, smem_bytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
@@ -106,14 +108,17 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   }
   // The fused form's sm_90 build adds whole rows with bulk reductions (16-byte multiples): a head_dim that is not
   // a multiple of 4 (rare: the odd dims run a wider kernel) takes the dQ pass there instead.
-  const bool fused_dq_fits = current_device_major() != 9 || p.head_dim % 4 == 0;
+  const bool on_sm90 = current_device_major() == 9;
+  const bool fused_dq_fits = !on_sm90 || p.head_dim % 4 == 0;
   if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p) && fused_dq_fits) {
     const int64_t count = dq_elements(p);  // like q: the workspace's first part
     return run_fused_dq(
-        p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, stream); },
+        p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, on_sm90, stream); },
         dq_from_accum_kernel<Element>, ceil_div(count, 4 * kDqConvertThreads), "sm80");
   }
-  if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, stream); !err.empty()) return err;
+  if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, on_sm90, stream); !err.empty()) {
+    return err;
+  }
   // dbias (zero-filled by the dispatcher): stores, atomics or its own deterministic kernel (dbias.h).
   const DbiasPlan dbias = plan_dbias(p);
   if (std::string err = launch_dq<kHeadDim, Element>(p, vectorized, dbias.dq_mode, stream); !err.empty()) return err;

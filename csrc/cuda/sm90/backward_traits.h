@@ -64,10 +64,6 @@ constexpr bool registers_fit(int threads, int consumer_threads, int producer_reg
   return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
 }
 
-constexpr bool has_sm90_backward_tile(int head_dim) {
-  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
-}
-
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
 struct BshdGmem {

@@ -52,10 +52,6 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
   }
 }
 
-constexpr bool has_sm90_tile(int head_dim) {
-  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
-}
-
 using namespace cute;
 
 // K-major GMMA shared-memory atom: the widest swizzle whose row (64/32/16 16-bit elements) divides the width.

@@ -10,14 +10,12 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Head dims with an sm90 forward tile (kernel_traits.h forward_tile).
-constexpr int kForwardHeadDims[] = {64, 96, 128, 192, 256};
-
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
-// The Hopper backward (head dims 64, 128 and 256, backward_traits.h); dispatch.cu runs it on 9.x for the calls it
-// supports (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
+// The Hopper backward (backward_traits.h); dispatch.cu runs it on 9.x for the calls it supports
+// (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
+// Built head dims: the generated built_sm90_head_dims.h (CMakeLists.txt), read by dispatch.cu.
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
