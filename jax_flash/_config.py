@@ -22,6 +22,7 @@ def switch_on(variable: str) -> bool:
         raise ValueError(f"{variable} must be 0 or 1, not {value!r}")
     return value != "0"
 
+
 @dataclasses.dataclass(frozen=True)
 class ScoreConfig:
     """Score pipeline and masking settings, passed to the kernels as custom-call attributes.

@@ -28,6 +28,7 @@ from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfi
 
 PACK_GQA_ENV = "JAX_FLASH_PACK_GQA"
 
+
 def packing_requested() -> bool:
     return switch_on(PACK_GQA_ENV)
 
@@ -43,10 +44,25 @@ def _query_axes_replicated(q: jax.Array) -> bool:
     return all(axis is None for axis in spec[1:3])
 
 
-def causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
+def _causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
     """A causal call whose single query row sees every key: ``diag(0) = kv_len - 1``."""
     return (q.shape[1] == 1 and config.align_to_sequence_end and config.diagonal_offset == 0
             and masks.q_seqlens.shape[-1] == 0)
+
+
+def masks_read_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
+    """Whether a mask of the call reads a row's or a key's position (or, aligned to the sequence end, its length):
+    a window, ALiBi, or causal where it is not moot. Packing, the split-KV forward and the key-mask conversion
+    each change positions or lengths, so none applies then."""
+    if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
+        return True
+    return config.causal and not _causal_is_moot(q, masks, config)
+
+
+def has_dense_operands(config: ScoreConfig, dense: DenseOperands) -> bool:
+    """A bias, a boolean mask or dropout: per-element operands that neither packing nor the split-KV forward
+    rearranges."""
+    return dense.has_bias or dense.mask.shape[-1] != 0 or config.dropout_rate > 0
 
 
 def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
@@ -58,11 +74,7 @@ def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: Score
         return 1
     if _tiles(seqlen_q * group) >= group * _tiles(seqlen_q):
         return 1  # no tile saved (seqlen_q a multiple of the tile height)
-    if dense.has_bias or dense.mask.shape[-1] != 0 or config.dropout_rate > 0:
-        return 1
-    if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
-        return 1
-    if config.causal and not causal_is_moot(q, masks, config):
+    if has_dense_operands(config, dense) or masks_read_positions(q, masks, config):
         return 1
     if not _query_axes_replicated(q):
         return 1

@@ -15,7 +15,7 @@ same path as decoding with ``kv_seqlens``.
 Where: calls with at most 128 query rows (``TILE_ROWS``: decoding shapes, where the gain is), whose mask is key-only
 and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
 into one) and without the masks whose alignment moves with ``kv_seqlens`` (window, ALiBi, causal unless moot: see
-``_gqa_packing.causal_is_moot``). The caller's own ``kv_seqlens`` combine by minimum.
+``_gqa_packing.masks_read_positions``). The caller's own ``kv_seqlens`` combine by minimum.
 
 ``JAX_FLASH_KEY_MASKS`` (read when the call is traced): unset or ``1`` converts where it applies, ``0`` keeps the
 dense mask.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, switch_on
-from jax_flash._gqa_packing import causal_is_moot
+from jax_flash._gqa_packing import masks_read_positions
 
 KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
 
@@ -38,11 +38,7 @@ def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConf
         return False  # no mask, or one that differs between heads or query rows
     if dense.has_bias or dense.dropout_seeds.shape[-1] != 0 or q.shape[1] > TILE_ROWS:
         return False
-    if masks.q_segment_ids.shape[-1] != 0 or masks.alibi_slopes.shape[-1] != 0:
-        return False
-    if config.window_left >= 0 or config.window_right >= 0:
-        return False
-    if config.causal and not causal_is_moot(q, masks, config):
+    if masks.q_segment_ids.shape[-1] != 0 or masks_read_positions(q, masks, config):
         return False
     return switch_on(KEY_MASKS_ENV)
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig
-from jax_flash._gqa_packing import causal_is_moot
+from jax_flash._gqa_packing import has_dense_operands, masks_read_positions
 
 SPLIT_KV_ENV = "JAX_FLASH_SPLIT_KV"
 
@@ -60,11 +60,7 @@ def _unsharded(x: jax.Array) -> bool:
 
 
 def _qualifies(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
-    if dense.has_bias or dense.mask.shape[-1] != 0 or config.dropout_rate > 0:
-        return False
-    if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
-        return False
-    if config.causal and not causal_is_moot(q, masks, config):
+    if has_dense_operands(config, dense) or masks_read_positions(q, masks, config):
         return False
     return q.shape[1] > 0 and k.shape[1] > 0 and _unsharded(q) and _unsharded(k)
 
