@@ -32,6 +32,9 @@
 #   ncu_decode   Nsight Compute detail (memory, pipes, stalls) of one decoding forward launch through JAX
 #                (bench_decode.py, G = 32 / heads_kv $NCU_DECODE_HEADS_KV (default 1), seqlen_k $NCU_DECODE_SEQLEN
 #                (default 65536), split-KV and packing as by default), after the warm-up launches
+#   pytest_files the test files $PYTEST_FILES through pytest (GPU by default where there is one)
+#   decode*      benchmarks/bench_decode.py ${NAME}_ARGS under environment ${NAME}_ENV (as bench*)
+#   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
@@ -238,6 +241,10 @@ run_stage() {
     persistent_bench) stage persistent_bench 120 "$check" --bench-persistent ;;
     dense90) stage dense90 360 dense90 ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
+    # pytest_files: the test files $PYTEST_FILES (paths from the repository root), e.g. the platform-neutral suites,
+    # which run on the GPU when one is present.
+    pytest_files) (cd /tmp && stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+                    $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
@@ -251,6 +258,10 @@ run_stage() {
     probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
+    decode*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # decode, decode_b, ...: benchmarks/bench_decode.py
+      stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_decode.py --out-dir "$out" ${!args_var:-} ;;
+    cmd*) local cmd_var=${1^^}_CMD  # cmd, cmd_ka, ...: the shell command ${NAME}_CMD ($check names the standalone check)
+      stage "$1" 300 env check="$check" bash -c "${!cmd_var}" ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
     f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
                     compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
