@@ -12,8 +12,9 @@ split-KV forward (``_kv_split``), and the kernels skip the key tiles past the le
 dense mask's kernels run one tile per (batch, head) over the whole cache. Decoding with such a mask then takes the
 same path as decoding with ``kv_seqlens``.
 
-Where: calls with at most 128 query rows (``TILE_ROWS``: decoding shapes, where the gain is), whose mask is key-only
-and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
+Where: GQA calls (packing then reads each KV head once for its whole group) and calls with fewer query tiles than
+the GPU has SMs (the split-KV forward then spreads them), of at most 128 query rows (``TILE_ROWS``: decoding shapes,
+where the gain is), whose mask is key-only and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
 into one) and without the masks whose alignment moves with ``kv_seqlens`` (window, ALiBi, causal unless moot: see
 ``_gqa_packing.masks_read_positions``). The caller's own ``kv_seqlens`` combine by minimum.
 
@@ -31,6 +32,14 @@ from jax_flash._gqa_packing import masks_read_positions
 
 KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
 
+# The dense-mask path already fills the GPU (one tile per SM of the H200's 132) from this many query tiles on. Then
+# converting gains nothing where GQA packing does not apply either, and costs: segment ids are compared element by
+# element on every key tile, where the dense form reads mask elements only in the tiles its block summary marks
+# partial. Measured on the H200 (bench_decode.py, bf16, batch 8, 32 query heads, d=128, every key visible; NOTES,
+# eleventh session): 32 KV heads (256 tiles) converted 2012 us against dense 1248 at 16k keys; 8 KV heads converted
+# 565 against 1247, 1 KV head 112 against 1252 (packing).
+_ONE_WAVE_TILES = 132
+
 
 def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
     mask_shape = dense.mask.shape
@@ -40,7 +49,11 @@ def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConf
         return False
     if masks.q_segment_ids.shape[-1] != 0 or masks_read_positions(q, masks, config):
         return False
-    return switch_on(KEY_MASKS_ENV)
+    if not switch_on(KEY_MASKS_ENV):
+        return False
+    batch, seqlen_q, heads_q, _ = q.shape
+    dense_tiles = batch * heads_q * -(-seqlen_q // TILE_ROWS)
+    return heads_q > k.shape[2] or dense_tiles < _ONE_WAVE_TILES
 
 
 def as_lengths_and_segments(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,

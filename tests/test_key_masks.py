@@ -59,6 +59,9 @@ def test_which_calls_convert(monkeypatch):
     assert not converts(one_row, jnp.broadcast_to(mask, (3, 8, 1, 40)))  # differs between heads
     assert not converts(rows, jnp.broadcast_to(mask, (3, 1, 5, 40)) & (jnp.arange(5) < 3)[:, None])
     assert not converts(Case(batch=3, seqlen_q=129, seqlen_k=40, heads_q=2, heads_kv=2), mask)
+    assert converts(Case(batch=3, seqlen_q=1, seqlen_k=40, heads_q=43, heads_kv=43), mask)  # 129 tiles
+    assert not converts(Case(batch=3, seqlen_q=1, seqlen_k=40, heads_q=44, heads_kv=44), mask)  # a wave already
+    assert converts(Case(batch=3, seqlen_q=1, seqlen_k=40, heads_q=88, heads_kv=44), mask)  # but packs
     assert not converts(one_row, mask, bias=jnp.zeros((1, 8, 1, 40), jnp.float32))
     assert not converts(one_row, mask, alibi_slopes=jnp.ones((8,), jnp.float32))
     segments = jnp.zeros((3, 1), jnp.int32), jnp.zeros((3, 40), jnp.int32)

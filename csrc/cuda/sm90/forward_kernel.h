@@ -19,7 +19,7 @@
 //
 // Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
 // the CTA's non-empty tiles, 0, 1, 2, ...):
-//  - K and V: the producer's write states (one per pipeline) and each consumer's read state run on across tiles; every round fills
+//  - K and V: the producer's write state and each consumer's read state run on across tiles; every round fills
 //    and drains exactly one stage of each pipeline per key tile of its walk (next_key_tile: all of key_tiles, or in
 //    the dense form those the boolean mask's block summary does not hide), and producer and consumers walk
 //    the same list, so the two stay in step as within one tile.
@@ -198,12 +198,11 @@ __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, i
 }
 
 // Producer, one tile (round `round` of this CTA): the first K, then Q once the previous round freed Q's buffer,
-// then the rest of K and V. `write_k` and `write_v` carry the pipelines' positions from tile to tile.
+// then the rest of K and V. `write` carries the pipelines' position from tile to tile.
 template <class Traits, ForwardVariant kVariant>
 __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
                           typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
-                          typename Traits::PipelineState& write_k, typename Traits::PipelineState& write_v,
-                          int round) {
+                          typename Traits::PipelineState& write, int round) {
   using namespace cute;
   const AttentionParams& p = args.p;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -229,19 +228,15 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   Tensor tVgV = tma_v.partition_S(gV);
   Tensor tVsV = tma_v.partition_D(sV);
 
-  // Each pipeline fills its stages in key-tile order with a write state of its own, so K may run a tile ahead of V
-  // while the consumers' stage numbering (K of tile i and V of tile i both in stage i mod kStages) still holds.
   auto load_k = [&](int n_block) {
-    pipeline_k.producer_acquire(write_k);
-    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, _, _, n_block),
-         tKsK(_, _, _, write_k.index()));
-    ++write_k;
+    pipeline_k.producer_acquire(write);
+    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, _, _, n_block),
+         tKsK(_, _, _, write.index()));
   };
   auto load_v = [&](int n_block) {
-    pipeline_v.producer_acquire(write_v);
-    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, _, _, n_block),
-         tVsV(_, _, _, write_v.index()));
-    ++write_v;
+    pipeline_v.producer_acquire(write);
+    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, _, _, n_block),
+         tVsV(_, _, _, write.index()));
   };
 
   // The first K stage only needs a stage the consumers released, so it can stream in during the previous
@@ -251,24 +246,13 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   if (round > 0) cutlass::arch::ClusterBarrier::wait(&smem.q_empty, (round - 1) & 1);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
   copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
-  if (args.k_ahead) {
-    // K of the next tile before V of this one: a V stage frees a whole P V later than the K stage of the same
-    // round, so waiting for it first would hold back a K load whose stage is already free.
-    int v_block = n_block;
-    for (n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
-         n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block)) {
-      load_k(n_block);
-      load_v(v_block);
-      v_block = n_block;
-    }
-    load_v(v_block);
-    return;
-  }
   load_v(n_block);
+  ++write;
   for (n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
        n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block)) {
     load_k(n_block);
     load_v(n_block);
+    ++write;
   }
 }
 
@@ -276,13 +260,12 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
 template <class Traits, ForwardVariant kVariant>
 __device__ void produce(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
                         typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
-  typename Traits::PipelineState write_k = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  typename Traits::PipelineState write_v = write_k;
+  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   int round = 0;
   for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
     const RowBlock rb = locate_tile<Traits, kVariant>(args, tile);
     if (rb.key_tiles.empty()) continue;
-    load_tile<Traits, kVariant>(args, rb, smem, pipeline_k, pipeline_v, write_k, write_v, round);
+    load_tile<Traits, kVariant>(args, rb, smem, pipeline_k, pipeline_v, write, round);
     ++round;
   }
 }

@@ -62,14 +62,6 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
   return {};
 }
 
-// JAX_FLASH_SM90_K_AHEAD=1 (read at every call): the producer issues the K of the next key tile before the V of the
-// current one (forward_kernel.h load_tile); unset or anything else keeps K and V of a tile together. Under
-// measurement (decoding), hence off by default.
-inline bool k_ahead_switch() {
-  const char* env = std::getenv("JAX_FLASH_SM90_K_AHEAD");
-  return env != nullptr && std::string(env) == "1";
-}
-
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (SMs x CTAs per SM), looked up
 // once per device (its dynamic shared memory limit must have been raised already).
 template <class Traits, ForwardVariant kVariant>
@@ -113,8 +105,7 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
                            make_tma_copy(SM90_TMA_LOAD{},
                                          bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
-                                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
-                           k_ahead_switch()};
+                                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile

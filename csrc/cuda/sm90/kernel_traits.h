@@ -165,7 +165,6 @@ struct ForwardArgs {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
-  bool k_ahead;  // the producer's load order (forward_kernel.h load_tile; JAX_FLASH_SM90_K_AHEAD)
 };
 
 }  // namespace jax_flash::cuda::sm90
