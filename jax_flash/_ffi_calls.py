@@ -55,11 +55,38 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
     return (batch, heads_q, seqlen_q)
 
 
+# The TF32 Hopper forward's kernel head dims (csrc/common/tf32_workspace.h): a call with head_dim <= 128 runs on
+# the smallest of them that holds it.
+_TF32_HEAD_DIMS = (64, 128)
+
+
+def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    """Whether a forward call gets the V^T workspace of the Hopper TF32 forward: the calls that kernel can run, i.e.
+    float32 with allow_tf32, head_dim <= 128 and a multiple of 4 (TMA rows), no bias, mask, dropout, softcap or
+    ALiBi (the kernel's common form). The CUDA handler re-checks and runs it on compute capability 9.x; elsewhere
+    (other GPUs, the CPU) the workspace, as large as V, goes unused."""
+    head_dim = q.shape[-1]
+    return (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
+            and not _gqa_packing.has_dense_operands(config, dense) and config.softcap == 0
+            and masks.alibi_slopes.shape[-1] == 0)
+
+
+def tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
+    """``[B, Hkv, D' * Sk']`` float32: V^T with the head dim D' of the kernel (64 or 128) and Sk' = seqlen_k in whole
+    8-key chunks (csrc/common/tf32_workspace.h)."""
+    batch, seqlen_k, heads_kv, head_dim = k.shape
+    kernel_head_dim = next(d for d in _TF32_HEAD_DIMS if d >= head_dim)
+    return (batch, heads_kv, kernel_head_dim * (-(-seqlen_k // 8) * 8))
+
+
 def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
                   dense: DenseOperands) -> tuple[jax.Array, jax.Array]:
-    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS))
+    workspace = (_result(k, tf32_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
+                 if _uses_tf32_workspace(q, masks, config, dense) else jax.ShapeDtypeStruct((0,), jnp.float32))
+    results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS), workspace)
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    return call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
+    o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
+    return o, lse
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,

@@ -84,7 +84,7 @@ def forward_call_operand_shapes(q, k, v, **kwargs) -> list[tuple[tuple[int, ...]
 
     def visit(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 2:  # the forward: (o, lse)
+            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 3:  # the forward: (o, lse, tf32_vt)
                 shapes.append((tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape)))
         for sub in jax.extend.core.subjaxprs(jaxpr):
             visit(sub)

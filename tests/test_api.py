@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _mask_blocks, _registration
+from jax_flash import _ffi_calls, _mask_blocks, _registration
 from attention_cases import Case
 
 
@@ -91,16 +91,18 @@ def test_export_for_cuda_from_cpu():
     assert exported.platforms == ("cuda",)
 
 
-def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None):
+def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None, workspace_shape=(0,), allow_tf32=False):
     batch = q.shape[0]
     masks = masks or [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
     dense = dense or [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
                       jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((batch, 0), jnp.uint32)]
     call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
-                            (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)))
-    return call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
-                align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
-                window_right=np.int64(-1), dropout_rate=np.float32(0.0), allow_tf32=False)
+                            (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+                             jax.ShapeDtypeStruct(workspace_shape, jnp.float32)))
+    o, lse, _ = call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
+                     align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
+                     window_right=np.int64(-1), dropout_rate=np.float32(0.0), allow_tf32=allow_tf32)
+    return o, lse
 
 
 def test_raw_target_accepts_consistent_buffers():
@@ -122,7 +124,8 @@ def test_raw_target_accepts_a_mask_with_its_block_summary():
 
 @pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype",
                                      "bias_shape", "bool_mask_dtype", "seeds_shape", "mask_blocks_shape",
-                                     "mask_blocks_dtype", "mask_blocks_without_mask", "mask_without_blocks"])
+                                     "mask_blocks_dtype", "mask_blocks_without_mask", "mask_without_blocks",
+                                     "tf32_vt_shape", "tf32_vt_without_tf32"])
 def test_raw_target_rejects_inconsistent_buffers(problem):
     """Calling the custom call directly with bad buffers is an error, never a crash or a bad write."""
     q, k, v = _inputs()
@@ -130,6 +133,7 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
     absent_dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
                     jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((2, 0), jnp.uint32)]
     bool_mask = jnp.ones((2, 1, 19, 23), bool)
+    workspace_shape, allow_tf32 = (0,), False
     if problem == "o_shape":
         o_shape = (2, 19, 4, 8)
     elif problem == "lse_shape":
@@ -157,8 +161,22 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
         dense = [absent_dense[0], absent_dense[1], jnp.full((2, 1, 1, 1), 2, jnp.uint8), absent_dense[3]]
     elif problem == "mask_without_blocks":
         dense = [absent_dense[0], bool_mask, absent_dense[2], absent_dense[3]]
+    elif problem == "tf32_vt_shape":  # V^T of 23 keys is 64 x 24 floats per KV head
+        workspace_shape, allow_tf32 = (2, 2, 64 * 23), True
+    elif problem == "tf32_vt_without_tf32":
+        workspace_shape = (2, 2, 64 * 24)
     with pytest.raises(Exception, match="jax_flash"):
-        jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense))
+        jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense, workspace_shape, allow_tf32))
+
+
+def test_raw_target_accepts_the_tf32_workspace():
+    """A float32 call with allow_tf32 may pass V^T's workspace (used by the Hopper TF32 forward, ignored elsewhere)."""
+    q, k, v = _inputs()
+    assert _ffi_calls.tf32_workspace_shape(q, k) == (2, 2, 64 * 24)
+    o, lse = _raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, 64 * 24), allow_tf32=True)
+    o_plain, lse_plain = _raw_forward(q, k, v, q.shape, (2, 4, 19))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_plain))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_plain))
 
 
 BAD_ARGUMENTS = [
@@ -227,7 +245,8 @@ def test_windows_past_every_sequence_are_unbounded():
 def test_raw_target_rejects_overflowing_diagonal():
     q, k, v = _inputs()
     call = jax.ffi.ffi_call(_registration.FORWARD_TARGET,
-                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 19), jnp.float32)))
+                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 19), jnp.float32),
+                             jax.ShapeDtypeStruct((0,), jnp.float32)))
     masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
     dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
              jnp.zeros((2, 0), jnp.uint32)]

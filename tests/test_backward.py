@@ -149,7 +149,8 @@ def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
              jnp.zeros((2, 0), jnp.uint32)]
     attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=0.1))
     stats = jax.ShapeDtypeStruct((2, 4, 70), jnp.float32)
-    o, lse = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats))(
+    o, lse, _ = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats,
+                                                                jax.ShapeDtypeStruct((0,), jnp.float32)))(
         q, k, v, *masks, *dense, **attributes)
 
     def backward(workspace_shape):

@@ -581,8 +581,9 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
     dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), mask, summary, jnp.zeros((batch, 0), jnp.uint32)]
     masks, dense = _on(GPUS[0], *masks), _on(GPUS[0], *dense)
     attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=1.0 / np.sqrt(head_dim)))
-    forward = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats))
-    o, lse = forward(q, k, v, *masks, *dense, **attributes)
+    forward = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats,
+                                                              jax.ShapeDtypeStruct((0,), jnp.float32)))
+    o, lse, _ = forward(q, k, v, *masks, *dense, **attributes)
     backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype), stats,
@@ -869,6 +870,34 @@ def test_float32_features(precision, feature, shape):
     case = Case(seqlen_q=shape[0], seqlen_k=shape[1], heads_q=shape[2], heads_kv=shape[3], head_dim=64,
                 dtype=jnp.float32, seed=len(feature) + 5)
     check_float32_on_gpu(case, precision, **feature_kwargs(feature, case))
+
+
+# The TF32 forward's two kernel families (JAX_FLASH_CUDA_KERNEL_F32, read at every call): sm90 (TMA + WGMMA,
+# V^T workspace; head dims 64 and 128, the common form) and sm80 (mma.sync). Forcing sm90 fails loudly where it
+# cannot run a call, so a pass shows that the Hopper kernel computed these outputs.
+@pytest.mark.parametrize("kernel", FORWARD_KERNELS)
+@pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
+@pytest.mark.parametrize("seqlens,heads,causal", (((1000, 1000), (8, 2), True), ((300, 777), (4, 4), False),
+                                                  ((1, 4100), (8, 1), False), ((129, 70), (2, 1), True)),
+                         ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal"))
+def test_float32_tf32_forward_kernels(kernel, head_dim, seqlens, heads, causal, monkeypatch):
+    if kernel == "sm90" and not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", kernel)
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[0])
+    check_float32_on_gpu(case, "tf32", gradients=False, causal=causal)
+
+
+def test_float32_tf32_forward_kernel_switch(monkeypatch):
+    q, k, v = _on(GPUS[0], *Case(dtype=jnp.float32, head_dim=64).inputs())
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "fast")
+    with pytest.raises(Exception, match="JAX_FLASH_CUDA_KERNEL_F32 must be sm80, sm90 or auto"):
+        jax.block_until_ready(jax_flash.attention(q, k, v, float32_precision="tf32"))
+    if _is_hopper():  # a feature the Hopper TF32 kernel does not have: forcing it is an error, not a fallback
+        monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
+        with pytest.raises(Exception, match="float32 kernels only"):
+            jax.block_until_ready(jax_flash.attention(q, k, v, float32_precision="tf32", softcap=3.0))
 
 
 @pytest.mark.parametrize("precision", FLOAT32_MODES)

@@ -68,6 +68,10 @@ struct AttentionParams {
   // float32 inputs only: true lets the GPU multiply on TF32 tensor cores (10-bit mantissa operands, float32
   // accumulation), false keeps every product and sum in float32. The CPU kernels are always exact.
   bool allow_tf32 = false;
+  // Workspace of the Hopper TF32 forward (common/tf32_workspace.h), an extra result of the forward call: V^T, written
+  // by the call itself before its kernel reads it. nullptr where the call passed none (then the float32 forward runs
+  // the mma.sync kernels).
+  float* tf32_vt = nullptr;
 
   // Masking by position. Query row i is "at" key column diag(i) = i + diagonal_offset, plus
   // (seqlen_k_b - seqlen_q_b) when align_to_sequence_end (FlashAttention's bottom-right convention; the

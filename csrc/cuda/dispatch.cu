@@ -12,6 +12,7 @@
 #include "launch.h"
 #include "f32/launchers.h"
 #include "sm80/launchers.h"
+#include "sm90/forward_variant.h"
 #include "sm90/launchers.h"
 
 #if __has_include("built_head_dims.h")
@@ -197,6 +198,40 @@ constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM
 
 int sm90_backward_head_dim(int64_t head_dim) { return smallest_at_least(kSm90BackwardHeadDims, head_dim); }
 
+// ---- float32 forward: the Hopper TF32 kernel (sm90/forward_launch.h launch_tf32_forward) on compute capability 9.x
+// where it applies, else the float32 kernels (f32/). JAX_FLASH_CUDA_KERNEL_F32=sm80|sm90 forces one, for testing.
+constexpr int kSm90Tf32HeadDims[] = {64, 128};  // common/tf32_workspace.h tf32_vt_head_dim
+
+// Empty when the sm90 TF32 forward can run this float32 call, else why not.
+std::string sm90_tf32_refusal(const AttentionParams& p) {
+  if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
+  if (sm90::forward_variant(p) != sm90::ForwardVariant::kCommon || p.dropout_rate > 0.0f) {
+    return "softcap, ALiBi, bias, mask, dropout and softmax_scale <= 0 run on the float32 kernels only";
+  }
+  if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
+  const int kernel_dim = smallest_at_least(kSm90Tf32HeadDims, p.head_dim);
+  if (kernel_dim == 0 || !contains(kSm90HeadDims, kernel_dim)) {
+    return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
+  }
+  if (current_device_major() != 9) return "the device is not compute capability 9.x";
+  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.o) || !aligned16(p.tf32_vt)) {
+    return "q, k, o and the V^T workspace must be 16-byte aligned";
+  }
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
+  if (p.seqlen_k == 0) return "seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)";
+  return {};
+}
+
+std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim <= 64) {
+    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_tf32_forward<64>(p, stream);
+  } else {
+    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_tf32_forward<128>(p, stream);
+  }
+  return "internal error: no sm90 TF32 kernel for head dim " + std::to_string(p.head_dim);
+}
+
 // Empty when the sm90 backward can run this call, else why not.
 std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   if (sm90_backward_head_dim(p.head_dim) == 0) {
@@ -259,6 +294,13 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
   if (nothing_to_do(p)) return {};
   if (p.element_type == ElementType::kFloat32) {
+    bool use_sm90 = false;
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32", "sm90 TF32 forward", /*unset_means_auto=*/true,
+                                      [&] { return sm90_tf32_refusal(p); }, &use_sm90);
+        !err.empty()) {
+      return err;
+    }
+    if (use_sm90) return run_sm90_tf32_forward(p, stream);
     return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
       return f32::launch_forward<decltype(dim)::value>(p, stream);
     });

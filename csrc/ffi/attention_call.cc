@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/dq_workspace.h"
+#include "../common/tf32_workspace.h"
 #include "buffer_checks.h"
 
 namespace jax_flash::ffi_boundary {
@@ -124,9 +125,21 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
 }  // namespace
 
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
-                          ffi::AnyBuffer o, ffi::AnyBuffer lse, const ScoreAttributes& attributes,
-                          AttentionParams* params) {
-  return decode_common(q, k, v, masks, o, lse, attributes, params);
+                          ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer tf32_vt,
+                          const ScoreAttributes& attributes, AttentionParams* p) {
+  ffi::Error error = decode_common(q, k, v, masks, o, lse, attributes, p);
+  if (error.failure()) return error;
+  // tf32_vt: absent when empty, else the float32 V^T workspace [*batch, heads_kv, per head] of a float32 call with
+  // allow_tf32 and head_dim <= 128 (common/tf32_workspace.h).
+  if (tf32_vt.element_count() > 0) {
+    if (p->element_type != ElementType::kFloat32 || !p->allow_tf32 || p->head_dim > kTf32MaxHeadDim) {
+      return invalid("tf32_vt is only for float32 calls with allow_tf32 and head_dim <= 128");
+    }
+    JF_RETURN_IF_ERROR(expect_buffer("tf32_vt", tf32_vt, ffi::DataType::F32, batch_prefix(q),
+                                     {p->heads_kv, tf32_vt_per_head(p->seqlen_k, p->head_dim)}));
+    p->tf32_vt = static_cast<float*>(tf32_vt.untyped_data());
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks, const BackwardResults& out,

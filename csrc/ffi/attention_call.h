@@ -41,9 +41,10 @@ struct ScoreAttributes {
   bool allow_tf32;
 };
 
+// tf32_vt: float32 [*batch, heads_kv, per head] (common/tf32_workspace.h), or empty.
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
-                          ffi::AnyBuffer o, ffi::AnyBuffer lse, const ScoreAttributes& attributes,
-                          AttentionParams* params);
+                          ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer tf32_vt,
+                          const ScoreAttributes& attributes, AttentionParams* params);
 
 struct BackwardOperands {
   ffi::AnyBuffer q, k, v, o, lse, d_o, d_lse;
@@ -84,7 +85,7 @@ auto bind_mask_operands(Binding binding) {
       .template Arg<ffi::AnyBuffer>();           // dropout_seeds
 }
 
-// forward(q, k, v, masks...) -> (o, lse). Bindings can only be moved by their own methods, so each chain is
+// forward(q, k, v, masks...) -> (o, lse, tf32_vt). Bindings can only be moved by their own methods, so each chain is
 // one expression of temporaries.
 template <typename Binding>
 auto bind_forward(Binding binding) {
@@ -93,7 +94,8 @@ auto bind_forward(Binding binding) {
                                                       .template Arg<ffi::AnyBuffer>()   // k
                                                       .template Arg<ffi::AnyBuffer>())  // v
                                    .template Ret<ffi::AnyBuffer>()                      // o
-                                   .template Ret<ffi::AnyBuffer>());                    // lse
+                                   .template Ret<ffi::AnyBuffer>()                      // lse
+                                   .template Ret<ffi::AnyBuffer>());                    // tf32_vt (workspace)
 }
 
 // backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dq_accum, dbias)

@@ -50,6 +50,7 @@
 
 #include "../../common/attention_params.h"
 #include "../../common/score_pipeline.h"
+#include "../../common/tf32_workspace.h"
 #include "../common/block_range.h"
 #include "../sm80/fragments.h"
 #include "../sm80/score_tile.h"
@@ -180,17 +181,22 @@ __device__ RowBlock locate_row_block(const AttentionParams& p) {
                                 (row_blocks - 1 - block) * Traits::kBlockM);
 }
 
-// Rows with nothing visible: O = 0, lse = -inf (head_dim is a multiple of 8 on this path: 16-byte stores), written
-// by the consumer threads (`thread` among kConsumerThreads); such a tile touches no shared memory or barrier.
+// Elements of O per 16-byte store; the dispatcher admits head dims that are a multiple of it (TMA row strides).
+template <class Traits>
+constexpr int kOutputChunk = 16 / int(sizeof(typename Traits::OutElement));
+
+// Rows with nothing visible: O = 0, lse = -inf (16-byte stores), written by the consumer threads (`thread` among
+// kConsumerThreads); such a tile touches no shared memory or barrier.
 template <class Traits>
 __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, int thread) {
-  using T = typename Traits::Element;
+  using T = typename Traits::OutElement;
+  constexpr int kChunk = kOutputChunk<Traits>;
   constexpr int kThreads = Traits::kConsumerThreads;
   const BshdShape q_shape = sm80::query_shape(p);
-  const int chunks_per_row = static_cast<int>(p.head_dim / 8);
+  const int chunks_per_row = static_cast<int>(p.head_dim / kChunk);
   for (int i = thread; i < rb.rows_in_bounds * chunks_per_row; i += kThreads) {
     const int row = i / chunks_per_row, chunk = i % chunks_per_row;
-    T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
+    T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * kChunk;
     *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
   float* lse = p.lse + sm80::row_stat_offset(p, rb.batch, rb.head, rb.m0);
@@ -207,16 +213,27 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   const AttentionParams& p = args.p;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
   const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
   Tensor mQ = args.tma_q.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch);
   Tensor mK = args.tma_k.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
-  Tensor mV = args.tma_v.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
   const int m_block = static_cast<int>(rb.m0 / Traits::kBlockM);
   Tensor gQ = local_tile(mQ, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(mK, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
-  Tensor gV = local_tile(mV, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));
+  // V's stages, and its key tiles (the last mode) in global memory: V itself, or TF32's V^T workspace.
+  auto [sV, gV] = [&] {
+    if constexpr (Traits::kTf32) {
+      const auto vt_shape = make_shape(int32_t(Traits::kHeadDim), int32_t(tf32_vt_keys(p.seqlen_k)),
+                                       int32_t(p.heads_kv), int32_t(p.batch));
+      Tensor mVt = args.tma_v.get_tma_tensor(vt_shape)(_, _, rb.head_kv, rb.batch);
+      return std::make_pair(make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{}),
+                            local_tile(mVt, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, make_coord(0, _)));
+    } else {
+      Tensor mV = args.tma_v.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
+      return std::make_pair(make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{}),
+                            local_tile(mV, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0)));
+    }
+  }();
 
   auto tma_q = args.tma_q.get_slice(0);
   auto tma_k = args.tma_k.get_slice(0);
@@ -421,7 +438,13 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
     for (int i = 0; i < size(probs); ++i) probs(i) = converted(i);
   };
   convert_probs();
-  Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
+  Tensor probs_operand = make_tensor(probs.data(), [&] {
+    if constexpr (Traits::kTf32) {
+      return accumulator_as_tf32_operand_a(probs.layout());
+    } else {
+      return accumulator_as_operand_a(probs.layout());
+    }
+  }());
   typename Traits::PipelineState previous = read;
   ++read;
 
@@ -463,12 +486,13 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   // per quad.
   float lse[kRows];
   softmax.finalize(sm80::as_rows_cols(sm80_view(acc_o)), to_log2, lse);
-  Tensor out_frag = sm80::converted<T>(acc_o);
+  using Out = typename Traits::OutElement;
+  Tensor out_frag = sm80::converted<Out>(acc_o);
   Tensor sO = [&] {
     if constexpr (Traits::kOwnOutputBuffer) {
       return make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutQ{});
     } else {
-      return sQ;
+      return make_tensor(make_smem_ptr(reinterpret_cast<Out*>(smem.q.data())), typename Traits::SmemLayoutQ{});
     }
   }();
   Tensor frag_so = thr_mma_o.partition_C(sO);
@@ -480,15 +504,16 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   named_barrier_sync(kEpilogueBarrier + group, 128);
 
   const BshdShape q_shape = sm80::query_shape(p);
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  constexpr int kChunk = kOutputChunk<Traits>;
+  constexpr int kChunksPerRow = Traits::kHeadDim / kChunk;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / kChunk);
   const int thread_in_group = thread % 128;
   CUTE_UNROLL
   for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
     const int row = group * 64 + i / kChunksPerRow, chunk = i % kChunksPerRow;
     if (row < rb.rows_in_bounds && chunk < chunks_in_bounds) {
-      T* dst = static_cast<T*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(row, chunk * 8));
+      Out* dst = static_cast<Out*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * kChunk;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(row, chunk * kChunk));
     }
   }
   if (threadIdx.x % 4 == 0) {

@@ -15,6 +15,7 @@
 #include "forward_kernel.h"
 #include "forward_variant.h"
 #include "kernel_traits.h"
+#include "tf32_v_transpose.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -26,6 +27,27 @@ auto bshd_tensor(const void* data, int64_t seqlen, int64_t heads, int64_t head_d
   const auto shape = make_shape(int32_t(seqlen), int32_t(head_dim), int32_t(heads), int32_t(batch));
   const auto stride = make_stride(heads * head_dim, _1{}, head_dim, seqlen * heads * head_dim);
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
+}
+
+// The TMA descriptor of V's stages: V itself, or for TF32 the V^T workspace as (head_dim, keys, heads_kv, batch).
+template <class Traits>
+auto make_tma_v(const AttentionParams& p) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  if constexpr (Traits::kTf32) {
+    const int64_t keys = tf32_vt_keys(p.seqlen_k);
+    const auto shape = make_shape(int32_t(kHeadDim), int32_t(keys), int32_t(p.heads_kv), int32_t(p.batch));
+    const auto stride = make_stride(keys, _1{}, kHeadDim * keys, p.heads_kv * kHeadDim * keys);
+    return make_tma_copy(SM90_TMA_LOAD{},
+                         make_tensor(make_gmem_ptr(reinterpret_cast<const T*>(p.tf32_vt)), make_layout(shape, stride)),
+                         take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{},
+                         _1{});
+  } else {
+    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
+                         take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
+                         _1{});
+  }
 }
 
 // The persistent grid is the default for key sequences up to this length. Measured on the H200 (standalone
@@ -102,10 +124,7 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
                                          bshd_tensor<Traits>(p.k, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
-                           make_tma_copy(SM90_TMA_LOAD{},
-                                         bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
-                                         take<0, 2>(typename Traits::SmemLayoutKV{}),
-                                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{})};
+                           make_tma_v<Traits>(p)};
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile
@@ -148,6 +167,24 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
     }
   }
   return launch_tiles<ForwardTraits<kHeadDim, Element>, kVariant>(p, persistent, max_ctas, stream);
+}
+
+}  // namespace jax_flash::cuda::sm90
+
+namespace jax_flash::cuda::sm90 {
+
+// The TF32 forward (float32 q/k/v/o; kernel_traits.h tf32_forward_tile), common form only: the V^T pre-pass, then
+// the kernel, both on `stream`. dispatch.cu checks that the call fits (sm90_tf32_refusal).
+template <int kHeadDim>
+std::string launch_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the TF32 tiles (tf32_forward_tile) and the workspace's head dims");
+  if (p.tf32_vt == nullptr) return "sm90 TF32 forward: no V^T workspace";
+  bool persistent = false;
+  int64_t max_ctas = 0;
+  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
+  if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream); !err.empty()) return err;
+  using Traits = ForwardTraits<kHeadDim, cutlass::tfloat32_t>;
+  return launch_tiles<Traits, ForwardVariant::kCommon>(p, persistent, max_ctas, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -33,6 +33,18 @@ __device__ constexpr auto accumulator_as_operand_a(AccLayout acc) {
                      coalesce(make_layout(get<0, 1>(n8), get<2>(acc))));
 }
 
+// ((2, 2, N/8), MMA_M, MMA_N) accumulator -> ((2, 2), MMA_M, N/8 * MMA_N): the register A operand of a 64xKx8 TF32
+// RS WGMMA, one n8 column group per k8 slice. The atom's A values are (row, row + 8) x (k-slot q, q + 4) of the lane
+// (q = lane % 4), the accumulator's (column 2q, 2q + 1) x (row, row + 8): with the two modes swapped, k-slot q holds
+// column 2q and k-slot q + 4 column 2q + 1. So B must hold, in each 8-key chunk, key 2q at k = q and key 2q + 1 at
+// k = q + 4 (tf32_v_transpose.h writes V^T in that order); no register moves.
+template <class AccLayout>
+__device__ constexpr auto accumulator_as_tf32_operand_a(AccLayout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<0, 0>(acc)), get<1>(acc),
+                     coalesce(make_layout(get<0, 2>(acc), get<2>(acc))));
+}
+
 // Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
 // warpgroup_wait<N>() (N = batches allowed to stay in flight). kZeroInit overwrites acc instead of adding.
 template <bool kZeroInit, class TiledMma, class A, class B, class Acc>

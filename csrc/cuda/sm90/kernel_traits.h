@@ -52,14 +52,25 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
   }
 }
 
+// TF32 (float32 operands, float32 O): tiles of their own, since every operand takes twice the bytes and P twice the
+// registers of bf16. d=64: 32 (Q) + 2 x (32 + 32) K/V (+ 32 O) = 192 KiB; S 64 registers, P 64, O 32.
+// d=128: 64 + 2 x (32 + 32) = 192 KiB, O staged in Q's buffer; S 32, P 32, O 64.
+constexpr ForwardTile tf32_forward_tile(int head_dim) {
+  return head_dim == 64 ? ForwardTile{128, 128, 2} : ForwardTile{128, 64, 2};
+}
+
+template <class Element>
+constexpr bool is_tf32 = std::is_same_v<Element, cutlass::tfloat32_t>;
+
 using namespace cute;
 
-// K-major GMMA shared-memory atom: the widest swizzle whose row (64/32/16 16-bit elements) divides the width.
+// K-major GMMA shared-memory atom: the widest swizzle whose row (128/64/32 bytes) divides the width.
 template <class Element, int kCols>
 constexpr auto k_major_smem_atom() {
-  if constexpr (kCols % 64 == 0) {
+  constexpr int kRowBytes = kCols * int(sizeof(Element));
+  if constexpr (kRowBytes % 128 == 0) {
     return GMMA::Layout_K_SW128_Atom<Element>{};
-  } else if constexpr (kCols % 32 == 0) {
+  } else if constexpr (kRowBytes % 64 == 0) {
     return GMMA::Layout_K_SW64_Atom<Element>{};
   } else {
     return GMMA::Layout_K_SW32_Atom<Element>{};
@@ -75,7 +86,11 @@ template <int kHeadDim_, class Element_, RowTile kRows = RowTile::kStandard>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr ForwardTile kTile = forward_tile(kHeadDim, kRows);
+  // TF32: O is float32, and V reaches shared memory transposed (tf32_v_transpose.h), since a TF32 WGMMA takes its B
+  // operand K-major only (for P V: keys contiguous).
+  static constexpr bool kTf32 = is_tf32<Element>;
+  using OutElement = std::conditional_t<kTf32, float, Element>;
+  static constexpr ForwardTile kTile = kTf32 ? tf32_forward_tile(kHeadDim) : forward_tile(kHeadDim, kRows);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -97,15 +112,22 @@ struct ForwardTraits {
   using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, BlockMNK>(),
                                             GroupLayout{}));
   using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, BlockMKN, GMMA::Major::K, GMMA::Major::MN>(), GroupLayout{}));
+      GMMA::rs_op_selector<Element, Element, float, BlockMKN, GMMA::Major::K,
+                           kTf32 ? GMMA::Major::K : GMMA::Major::MN>(),
+      GroupLayout{}));
 
   using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // also stages O
   using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
                                               Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  // V^T: the same bytes as [head_dim, block_n, stage], i.e. an MN-major B operand for P V.
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // V^T: the same bytes as [head_dim, block_n, stage], i.e. an MN-major B operand for P V; TF32 loads V^T itself
+  // (K-major, keys contiguous).
+  using SmemLayoutVt = std::conditional_t<
+      kTf32,
+      decltype(tile_to_shape(k_major_smem_atom<Element, kBlockN>(), Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{})),
+      decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                                               Step<_2, _1, _3>{})))>;
+  static_assert(cosize_v<SmemLayoutVt> == cosize_v<SmemLayoutKV>);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -119,8 +141,9 @@ struct ForwardTraits {
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kOwnOutputBuffer =
       2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= kSmemLimit;  // 1024: barriers and alignment
+  static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
   struct OutputBuffer {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> o;
+    cute::array_aligned<OutElement, cosize_v<SmemLayoutQ>, 1024> o;
   };
   struct NoOutputBuffer {};
 
@@ -145,6 +168,11 @@ struct ForwardTraits {
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
+  using TmaV = std::conditional_t<kTf32,
+                                  decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutVt{}),
+                                                         Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{})),
+                                  TmaKV>;
 };
 
 // How a tile number splits into (row block, batch, head), precomputed on the host in 32 bits (every count is below
@@ -164,7 +192,7 @@ struct ForwardArgs {
   TileGrid grid;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaV tma_v;
 };
 
 }  // namespace jax_flash::cuda::sm90
