@@ -32,10 +32,13 @@ __device__ __forceinline__ float round_to_tf32(float x) {
 }
 
 // CTA c covers key tile c % key_tiles, head-dim tile (c / key_tiles) % dim_tiles of slice c / (key_tiles *
-// dim_tiles) = batch * heads_kv + head.
+// dim_tiles) = batch * heads_kv + head. A template (one per kernel head dim) so that the header can be included by
+// several translation units.
+template <int kKernelHeadDim>
 __global__ void __launch_bounds__(kTransposeTile * kTransposeRows)
     tf32_v_transpose_kernel(const float* v, float* vt, int64_t seqlen_k, int64_t keys_padded, int64_t heads_kv,
-                            int64_t head_dim, int64_t kernel_head_dim, int64_t key_tiles, int64_t dim_tiles) {
+                            int64_t head_dim, int64_t key_tiles, int64_t dim_tiles) {
+  constexpr int64_t kernel_head_dim = kKernelHeadDim;
   __shared__ float tile[kTransposeTile][kTransposeTile + 1];  // [key][dim]; +1: conflict-free column reads
   const int64_t cta = blockIdx.x;
   const int64_t key0 = (cta % key_tiles) * kTransposeTile;
@@ -68,9 +71,9 @@ std::string launch_tf32_v_transpose(const AttentionParams& p, cudaStream_t strea
   const int64_t ctas = key_tiles * dim_tiles * p.batch * p.heads_kv;
   if (ctas == 0) return {};
   if (ctas > INT32_MAX) return "sm90 TF32 forward: V is too large for the V^T pre-pass grid";
-  tf32_v_transpose_kernel<<<static_cast<unsigned>(ctas), kTransposeTile * kTransposeRows, 0, stream>>>(
-      static_cast<const float*>(p.v), p.tf32_vt, p.seqlen_k, keys_padded, p.heads_kv, p.head_dim, kHeadDim,
-      key_tiles, dim_tiles);
+  tf32_v_transpose_kernel<kHeadDim><<<static_cast<unsigned>(ctas), kTransposeTile * kTransposeRows, 0, stream>>>(
+      static_cast<const float*>(p.v), p.tf32_vt, p.seqlen_k, keys_padded, p.heads_kv, p.head_dim, key_tiles,
+      dim_tiles);
   if (cudaGetLastError() != cudaSuccess) return "sm90 TF32 forward: launch of the V^T pre-pass failed";
   return {};
 }
