@@ -15,12 +15,13 @@ import jax.numpy as jnp
 TILE_ROWS = 128
 
 
-def switch_on(variable: str) -> bool:
-    """An on/off environment switch, read when a call is traced: unset, empty or ``1`` is on, ``0`` off."""
+def switch_on(variable: str, default: bool = True) -> bool:
+    """An on/off environment switch, read when a call is traced: ``1`` is on, ``0`` off, unset or empty
+    ``default``."""
     value = os.environ.get(variable, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{variable} must be 0 or 1, not {value!r}")
-    return value != "0"
+    return default if value == "" else value == "1"
 
 
 @dataclasses.dataclass(frozen=True)

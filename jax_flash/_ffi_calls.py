@@ -60,15 +60,23 @@ def lse_shape(q: jax.Array) -> tuple[int, ...]:
 _TF32_HEAD_DIMS = (64, 128)
 
 
+TF32_FORMS_ENV = "JAX_FLASH_TF32_FORMS"
+
+
 def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
-    """Whether a forward call gets the V^T workspace of the Hopper TF32 forward: the calls that kernel can run, i.e.
-    float32 with allow_tf32, head_dim <= 128 and a multiple of 4 (TMA rows), no bias, mask, dropout, softcap or
-    ALiBi (the kernel's common form). The CUDA handler re-checks and runs it on compute capability 9.x; elsewhere
-    (other GPUs, the CPU) the workspace, as large as V, goes unused."""
+    """Whether a forward call gets the V^T workspace of the Hopper TF32 forward, which the CUDA handler takes as the
+    sign to run that kernel on compute capability 9.x (elsewhere, other GPUs or the CPU, the workspace, as large as
+    V, goes unused): float32 with allow_tf32, head_dim <= 128 and a multiple of 4 (TMA rows), no dropout, and the
+    kernel's common form (no bias, mask, softcap or ALiBi). ``JAX_FLASH_TF32_FORMS=1`` (read when the call is
+    traced; off by default until measured on a GPU) adds the calls of its other two forms: softcap / ALiBi, and
+    bias / boolean mask."""
     head_dim = q.shape[-1]
-    return (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
-            and not _gqa_packing.has_dense_operands(config, dense) and config.softcap == 0
-            and masks.alibi_slopes.shape[-1] == 0)
+    if not (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
+            and config.dropout_rate == 0):
+        return False
+    common_form = (not _gqa_packing.has_dense_operands(config, dense) and config.softcap == 0
+                   and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
+    return common_form or switch_on(TF32_FORMS_ENV, default=False)
 
 
 def tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:

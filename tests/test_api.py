@@ -290,3 +290,43 @@ def test_float32_precision_defaults_to_tf32_and_cpu_is_exact_in_both_modes():
     assert "allow_tf32 = true" in text
     np.testing.assert_array_equal(np.asarray(jax_flash.attention(q, k, v, float32_precision="tf32")),
                                   np.asarray(jax_flash.attention(q, k, v, float32_precision="highest")))
+
+
+def _forward_workspaces(q, k, v, **kwargs) -> list[tuple[int, ...]]:
+    """The shape of the tf32_vt result of every forward custom call in the jaxpr of jax_flash.attention."""
+    shapes = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 3:
+                shapes.append(tuple(eqn.outvars[2].aval.shape))
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            visit(sub)
+
+    visit(jax.make_jaxpr(lambda *a: jax_flash.attention(*a, **kwargs))(q, k, v).jaxpr)
+    return shapes
+
+
+def test_which_forward_calls_get_the_tf32_workspace(monkeypatch):
+    """V^T's workspace goes to float32 TF32 calls the Hopper TF32 forward can run (its common form, plus softcap,
+    ALiBi, bias and mask with JAX_FLASH_TF32_FORMS=1), never to others."""
+    monkeypatch.delenv(_ffi_calls.TF32_FORMS_ENV, raising=False)
+    q, k, v = _inputs(dtype=jnp.float32, head_dim=40)
+    full = [(2, 2, 64 * 24)]
+    assert _forward_workspaces(q, k, v) == full
+    assert _forward_workspaces(q, k, v, causal=True, window_size=(3, 2)) == full
+    assert _forward_workspaces(q, k, v, float32_precision="highest") == [(0,)]
+    assert _forward_workspaces(q, k, v, softcap=2.0) == [(0,)]
+    mask = jnp.ones((2, 1, 19, 23), bool)
+    assert _forward_workspaces(q, k, v, mask=mask) == [(0,)]
+    assert _forward_workspaces(*_inputs(dtype=jnp.bfloat16, head_dim=40)) == [(0,)]
+    assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=130)) == [(0,)]
+    assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=6)) == [(0,)]  # TMA rows: head_dim % 4
+    assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=100)) == [(2, 2, 128 * 24)]
+    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "1")
+    assert _forward_workspaces(q, k, v, softcap=2.0) == full
+    assert _forward_workspaces(q, k, v, mask=mask) == full
+    assert _forward_workspaces(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)) == [(0,)]
+    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "yes")
+    with pytest.raises(ValueError, match=_ffi_calls.TF32_FORMS_ENV):
+        _forward_workspaces(q, k, v, softcap=2.0)

@@ -1,6 +1,7 @@
 """The CUDA kernels on a GPU: the same bound as the CPU tests against the float64 reference, agreement with the
 CPU handlers on the same inputs, gradients, determinism and CUDA graphs. Skipped when JAX sees no GPU."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash import _ffi_calls
 from attention_cases import (FEATURES, Case, assert_within_bound, bit_identical_runs, block_structured_mask,
                               feature_kwargs, grads, max_error, oracle, oracle_grads)
 
@@ -284,8 +286,6 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     no workspace (jax_flash/_ffi_calls.py), so both modes run that pass.
     Fused here includes head_dim 64 (_FUSED_DQ_MIN_HEAD_DIM set to 64, the default since the sixth session), so
     that the d=64 fused forms stay tested should the default move back."""
-    from jax_flash import _ffi_calls
-
     use_backward_kernel(monkeypatch, kernel, head_dim, feature)
     monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
     monkeypatch.setattr(_ffi_calls, "_FUSED_DQ_MIN_HEAD_DIM", 64)
@@ -949,6 +949,28 @@ def test_float32_bias_mask_dropout(precision, dense):
         o, lse = jax_flash.attention(*_on(GPUS[0], *case.inputs()), return_lse=True, float32_precision=precision,
                                      **_gpu_kwargs(kwargs))
         assert np.all(np.isneginf(np.asarray(lse)[:, :, 5])) and np.all(np.asarray(o)[:, 5] == 0)
+
+
+# The Hopper TF32 forward's transforms form (softcap, ALiBi, softmax_scale <= 0) and dense form (bias, boolean mask),
+# opted into with JAX_FLASH_TF32_FORMS=1 (read when traced; off by default until measured here) and forced with
+# JAX_FLASH_CUDA_KERNEL_F32=sm90, so that a pass shows the Hopper kernel computed them.
+@pytest.mark.parametrize("head_dim", (64, 100))
+@pytest.mark.parametrize("feature", ("softcap", "alibi_batched_causal", "everything", "bias", "mask", "bias_mask"))
+def test_float32_tf32_forms_on_sm90(feature, head_dim, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
+    case = dataclasses.replace(FLOAT32_DENSE_CASE, head_dim=head_dim)
+    if feature in ("bias", "mask", "bias_mask"):
+        kwargs = {"causal": feature == "bias_mask"}
+        if "bias" in feature:
+            kwargs["bias"] = jax.random.normal(jax.random.key(1), (case.heads_q, case.seqlen_q, case.seqlen_k))
+        if "mask" in feature:
+            kwargs["mask"] = _float32_mask_with_empty_rows(case)
+    else:
+        kwargs = feature_kwargs(feature, case)
+    check_float32_on_gpu(case, "tf32", gradients=False, **kwargs)
 
 
 @pytest.mark.parametrize("precision", FLOAT32_MODES)

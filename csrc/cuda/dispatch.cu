@@ -205,9 +205,9 @@ constexpr int kSm90Tf32HeadDims[] = {64, 128};  // common/tf32_workspace.h tf32_
 // Empty when the sm90 TF32 forward can run this float32 call, else why not.
 std::string sm90_tf32_refusal(const AttentionParams& p) {
   if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
-  if (sm90::forward_variant(p) != sm90::ForwardVariant::kCommon || p.dropout_rate > 0.0f) {
-    return "softcap, ALiBi, bias, mask, dropout and softmax_scale <= 0 run on the float32 kernels only";
-  }
+  if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
+  // The Python side passes the workspace only to the calls it sends here: the common form, and with
+  // JAX_FLASH_TF32_FORMS=1 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
   const int kernel_dim = smallest_at_least(kSm90Tf32HeadDims, p.head_dim);
   if (kernel_dim == 0 || !contains(kSm90HeadDims, kernel_dim)) {
@@ -225,9 +225,9 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
 
 std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.head_dim <= 64) {
-    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_tf32_forward<64>(p, stream);
+    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_forward<64, cutlass::tfloat32_t>(p, stream);
   } else {
-    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_tf32_forward<128>(p, stream);
+    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_forward<128, cutlass::tfloat32_t>(p, stream);
   }
   return "internal error: no sm90 TF32 kernel for head dim " + std::to_string(p.head_dim);
 }

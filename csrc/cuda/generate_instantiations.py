@@ -24,7 +24,6 @@ SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVarian
 # The Hopper TF32 forward (float32 inputs; sm90/kernel_traits.h tf32_forward_tile), built with the bf16/fp16 forward
 # of the same head dim.
 SM90_TF32_HEAD_DIMS = (64, 128)
-SM90_TF32_FORWARD = "std::string launch_tf32_forward<{d}>(const AttentionParams&, cudaStream_t);"
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
@@ -61,9 +60,14 @@ def main() -> None:
                 text = TEMPLATE.format(header="forward_launch.h", family="sm90",
                                        declaration=SM90_FORWARD_FORM.format(d=d, t=cpp, form=form))
                 files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}_{name}.cu"] = text
-    for d in SM90_TF32_HEAD_DIMS:
-        text = TEMPLATE.format(header="forward_launch.h", family="sm90", declaration=SM90_TF32_FORWARD.format(d=d))
+    for d in SM90_TF32_HEAD_DIMS:  # like the bf16/fp16 units above, element cutlass::tfloat32_t
+        cpp = "cutlass::tfloat32_t"
+        text = TEMPLATE.format(header="forward_dispatch.h", family="sm90", declaration=SM90_FORWARD.format(d=d, t=cpp))
         files[root / "sm90" / "instantiations" / f"forward_hdim{d}_tf32.cu"] = text
+        for name, form in SM90_FORWARD_FORMS.items():
+            text = TEMPLATE.format(header="forward_launch.h", family="sm90",
+                                   declaration=SM90_FORWARD_FORM.format(d=d, t=cpp, form=form))
+            files[root / "sm90" / "instantiations" / f"forward_hdim{d}_tf32_{name}.cu"] = text
     for d in SM90_BACKWARD_HEAD_DIMS:
         for short, cpp in ELEMENT_TYPES.items():
             text = TEMPLATE.format(header="backward_dispatch.h", family="sm90",

@@ -149,42 +149,32 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
 // One kernel form (forward_variant.h); forward_dispatch.h picks it per call. In the common form, calls with at most
 // 64 query rows take the short-rows tile, and long key sequences on the per-tile grid the long-rows tile, where the
 // head dim has them (kernel_traits.h forward_tile).
+// TF32 (float32 q/k/v/o; kernel_traits.h tf32_forward_tile, head dims 64 and 128) runs its V^T pre-pass first, on
+// the same stream, and has one tile per head dim; dispatch.cu checks that the call fits (sm90_tf32_refusal).
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   bool persistent = false;
   int64_t max_ctas = 0;
   if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
-  if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kShort)) {
-    if (p.seqlen_q <= forward_tile(kHeadDim, RowTile::kShort).block_m) {
-      using Short = ForwardTraits<kHeadDim, Element, RowTile::kShort>;
-      return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
+  if constexpr (is_tf32<Element>) {
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "the TF32 tiles and the workspace's head dims");
+    if (p.tf32_vt == nullptr) return "sm90 TF32 forward: no V^T workspace";
+    if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream); !err.empty()) return err;
+  } else {
+    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kShort)) {
+      if (p.seqlen_q <= forward_tile(kHeadDim, RowTile::kShort).block_m) {
+        using Short = ForwardTraits<kHeadDim, Element, RowTile::kShort>;
+        return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
+      }
     }
-  }
-  if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kLong)) {
-    if (!persistent && p.seqlen_k > kPersistentMaxSeqlenK) {
-      using Long = ForwardTraits<kHeadDim, Element, RowTile::kLong>;
-      return launch_tiles<Long, kVariant>(p, persistent, max_ctas, stream);
+    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kLong)) {
+      if (!persistent && p.seqlen_k > kPersistentMaxSeqlenK) {
+        using Long = ForwardTraits<kHeadDim, Element, RowTile::kLong>;
+        return launch_tiles<Long, kVariant>(p, persistent, max_ctas, stream);
+      }
     }
   }
   return launch_tiles<ForwardTraits<kHeadDim, Element>, kVariant>(p, persistent, max_ctas, stream);
-}
-
-}  // namespace jax_flash::cuda::sm90
-
-namespace jax_flash::cuda::sm90 {
-
-// The TF32 forward (float32 q/k/v/o; kernel_traits.h tf32_forward_tile), common form only: the V^T pre-pass, then
-// the kernel, both on `stream`. dispatch.cu checks that the call fits (sm90_tf32_refusal).
-template <int kHeadDim>
-std::string launch_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the TF32 tiles (tf32_forward_tile) and the workspace's head dims");
-  if (p.tf32_vt == nullptr) return "sm90 TF32 forward: no V^T workspace";
-  bool persistent = false;
-  int64_t max_ctas = 0;
-  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
-  if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream); !err.empty()) return err;
-  using Traits = ForwardTraits<kHeadDim, cutlass::tfloat32_t>;
-  return launch_tiles<Traits, ForwardVariant::kCommon>(p, persistent, max_ctas, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -13,9 +13,7 @@ namespace jax_flash::cuda::sm90 {
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
-// float32 calls on TF32 tensor cores (head dims 64 and 128, common form; forward_launch.h), with the V^T workspace.
-template <int kHeadDim>
-std::string launch_tf32_forward(const AttentionParams& p, cudaStream_t stream);
+// Element cutlass::tfloat32_t: float32 calls on TF32 tensor cores (head dims 64 and 128), with the V^T workspace.
 
 // The Hopper backward (backward_traits.h); dispatch.cu runs it on 9.x for the calls it supports
 // (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
