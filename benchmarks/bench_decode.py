@@ -1,7 +1,7 @@
 """Decoding-shaped attention (one query row per sequence, GQA) on the GPU: jax_flash as it runs by default (GQA
 packing and the split-KV forward where they apply), without the split (JAX_FLASH_SPLIT_KV=0, jax_flash/_kv_split.py),
 without either (JAX_FLASH_PACK_GQA=0 too, jax_flash/_gqa_packing.py) and with a Flax-style key mask (converted to kv
-lengths and segment ids, jax_flash/_key_masks.py, or kept dense), against jax.nn.dot_product_attention (cuDNN, XLA).
+lengths and segment ids, jax_flash/_key_masks.py, as kv lengths plus the mask, or kept dense), against jax.nn.dot_product_attention (cuDNN, XLA).
 
 Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 32 / 8 / 4 / 1 (G = 1 / 4 / 8 / 32), head_dim 128, seqlen_k
 1k..64k, not causal: the one new query sees every cached key (jax.nn's is_causal aligns the diagonal top-left, so
@@ -26,8 +26,11 @@ import bench_attention
 # jax_flash variants: (JAX_FLASH_PACK_GQA, JAX_FLASH_SPLIT_KV) while they trace.
 JAX_FLASH_SWITCHES = {"jax_flash": ("", ""), "jax_flash_unsplit": ("", "0"), "jax_flash_unpacked": ("0", "0")}
 # Flax-style decoding: a [B, 1, 1, Sk] cache mask built at run time from the lengths (here every key), as kv lengths
-# and segment ids (the default, jax_flash/_key_masks.py) or kept dense (JAX_FLASH_KEY_MASKS=0).
-KEY_MASK_SWITCHES = {"jax_flash_keymask": "", "jax_flash_keymask_dense": "0"}
+# and segment ids (the default, jax_flash/_key_masks.py), as kv lengths plus the mask, packed and split with it
+# (JAX_FLASH_KEY_MASK_FORM=dense), or kept dense (JAX_FLASH_KEY_MASKS=0): (JAX_FLASH_KEY_MASKS,
+# JAX_FLASH_KEY_MASK_FORM) while they trace.
+KEY_MASK_SWITCHES = {"jax_flash_keymask": ("", ""), "jax_flash_keymask_denseform": ("", "dense"),
+                     "jax_flash_keymask_dense": ("0", "")}
 IMPLEMENTATIONS = (*JAX_FLASH_SWITCHES, *KEY_MASK_SWITCHES, "cudnn", "xla")
 BATCH, HEADS_Q, HEAD_DIM = 8, 32, 128
 
@@ -39,7 +42,8 @@ def decode_fn(implementation: str):
 
     import jax_flash
 
-    os.environ["JAX_FLASH_PACK_GQA"], os.environ["JAX_FLASH_SPLIT_KV"], os.environ["JAX_FLASH_KEY_MASKS"] = "", "", ""
+    for variable in ("JAX_FLASH_PACK_GQA", "JAX_FLASH_SPLIT_KV", "JAX_FLASH_KEY_MASKS", "JAX_FLASH_KEY_MASK_FORM"):
+        os.environ[variable] = ""
     if implementation.startswith("jax_flash_split"):  # a forced number of key chunks (--splits)
         os.environ["JAX_FLASH_SPLIT_KV"] = implementation[len("jax_flash_split"):]
         return jax.jit(lambda q, k, v, lengths: jax_flash.attention(q, k, v))
@@ -47,7 +51,7 @@ def decode_fn(implementation: str):
         os.environ["JAX_FLASH_PACK_GQA"], os.environ["JAX_FLASH_SPLIT_KV"] = JAX_FLASH_SWITCHES[implementation]
         return jax.jit(lambda q, k, v, lengths: jax_flash.attention(q, k, v))
     if implementation in KEY_MASK_SWITCHES:
-        os.environ["JAX_FLASH_KEY_MASKS"] = KEY_MASK_SWITCHES[implementation]
+        os.environ["JAX_FLASH_KEY_MASKS"], os.environ["JAX_FLASH_KEY_MASK_FORM"] = KEY_MASK_SWITCHES[implementation]
 
         def masked(q, k, v, lengths):
             mask = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, None, :]

@@ -24,6 +24,21 @@ def switch_on(variable: str, default: bool = True) -> bool:
     return default if value == "" else value == "1"
 
 
+KEY_MASK_FORM_ENV = "JAX_FLASH_KEY_MASK_FORM"
+
+
+def key_masks_stay_dense() -> bool:
+    """``JAX_FLASH_KEY_MASK_FORM`` (read when a call is traced): unset, empty or ``segments`` (the default) runs a
+    converted key-only mask as kv lengths and segment ids (``_key_masks``); ``dense`` as kv lengths plus the mask
+    itself, which GQA packing and the split-KV forward then carry along (the kernels' dense form reads mask elements
+    only in key tiles the mask's block summary marks partial, where segment ids are compared in every tile). Not yet
+    measured on a GPU, hence not the default."""
+    value = os.environ.get(KEY_MASK_FORM_ENV, "")
+    if value not in ("", "segments", "dense"):
+        raise ValueError(f"{KEY_MASK_FORM_ENV} must be segments or dense, not {value!r}")
+    return value == "dense"
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreConfig:
     """Score pipeline and masking settings, passed to the kernels as custom-call attributes.
@@ -86,3 +101,12 @@ class DenseOperands(NamedTuple):
     @property
     def has_bias(self) -> bool:
         return self.bias.shape[-1] != 0
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask.shape[-1] != 0
+
+    @property
+    def has_key_only_mask(self) -> bool:
+        """A mask that is the same for every head and query row: static shape ``[B|1, 1, 1, Sk]``."""
+        return self.has_mask and self.mask.shape[1:3] == (1, 1)

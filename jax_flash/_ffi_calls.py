@@ -74,7 +74,7 @@ def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     if not (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
             and config.dropout_rate == 0):
         return False
-    common_form = (not _gqa_packing.has_dense_operands(config, dense) and config.softcap == 0
+    common_form = (not dense.has_bias and not dense.has_mask and config.softcap == 0
                    and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
     return common_form or switch_on(TF32_FORMS_ENV, default=False)
 
@@ -108,7 +108,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
         q, masks, config = _gqa_packing.pack(q, masks, config, group)
     splits = _kv_split.splits_for(q, k, masks, config, dense)
     if splits > 1:
-        o, lse = _kv_split.split_forward(_forward_call, q, k, v, masks, config, splits)
+        o, lse = _kv_split.split_forward(_forward_call, q, k, v, masks, config, dense, splits)
     else:
         o, lse = _forward_call(q, k, v, masks, config, dense)
     return _gqa_packing.unpack(o, lse, group) if group > 1 else (o, lse)

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, switch_on
+from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, key_masks_stay_dense, switch_on
 
 PACK_GQA_ENV = "JAX_FLASH_PACK_GQA"
 
@@ -61,8 +61,11 @@ def masks_read_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig)
 
 def has_dense_operands(config: ScoreConfig, dense: DenseOperands) -> bool:
     """A bias, a boolean mask or dropout: per-element operands that neither packing nor the split-KV forward
-    rearranges."""
-    return dense.has_bias or dense.mask.shape[-1] != 0 or config.dropout_rate > 0
+    rearranges; except a key-only mask where ``JAX_FLASH_KEY_MASK_FORM=dense`` (``_config.key_masks_stay_dense``):
+    it reads no query position, so packed rows share it, and it splits along the keys like K."""
+    if dense.has_bias or config.dropout_rate > 0:
+        return True
+    return dense.has_mask and not (dense.has_key_only_mask and key_masks_stay_dense())
 
 
 def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,

@@ -19,7 +19,8 @@ into one) and without the masks whose alignment moves with ``kv_seqlens`` (windo
 ``_gqa_packing.masks_read_positions``). The caller's own ``kv_seqlens`` combine by minimum.
 
 ``JAX_FLASH_KEY_MASKS`` (read when the call is traced): unset or ``1`` converts where it applies, ``0`` keeps the
-dense mask.
+dense mask. ``JAX_FLASH_KEY_MASK_FORM=dense`` (``_config.key_masks_stay_dense``) converts to ``kv_seqlens`` only and
+keeps the mask for what lies before the length, packed and split with the call instead of segment ids.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, switch_on
+from jax_flash._config import (TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig, key_masks_stay_dense,
+                               switch_on)
 from jax_flash._gqa_packing import masks_read_positions
 
 KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
@@ -69,6 +71,8 @@ def as_lengths_and_segments(q: jax.Array, k: jax.Array, masks: MaskOperands, con
     lengths = jnp.where(jnp.any(visible, axis=1), last_visible + 1, 0).astype(jnp.int32)[:, None]
     if masks.kv_seqlens.shape[-1]:
         lengths = jnp.minimum(lengths, masks.kv_seqlens)
+    if key_masks_stay_dense():  # the mask itself hides what lies before the length
+        return masks._replace(kv_seqlens=lengths), dense
     masks = masks._replace(kv_seqlens=lengths, q_segment_ids=jnp.ones((batch, seqlen_q), jnp.int32),
                            kv_segment_ids=visible.astype(jnp.int32))
     return masks, dense._replace(mask=DenseOperands.absent(batch).mask)

@@ -92,10 +92,17 @@ def _repeated(x: jax.Array, splits: int) -> jax.Array:
     return jnp.repeat(x, splits, axis=0)
 
 
+def _chunked_key_mask(mask: jax.Array, batch: int, splits: int) -> jax.Array:
+    """A key-only mask ``[B|1, 1, 1, Sk]`` -> ``[B * n, 1, 1, Sk / n]``, chunked like K."""
+    mask = jnp.broadcast_to(mask, (batch, 1, 1, mask.shape[-1]))
+    return _chunked(mask.reshape(batch, mask.shape[-1]), splits)[:, None, None, :]
+
+
 def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
-                  config: ScoreConfig, splits: int) -> tuple[jax.Array, jax.Array]:
+                  config: ScoreConfig, dense: DenseOperands, splits: int) -> tuple[jax.Array, jax.Array]:
     """Runs ``call`` (the unsplit forward: ``o [B, Sq, Hq, D]``, ``lse [B, Hq, Sq]``) over ``splits`` key chunks
-    and merges them. Only for calls ``splits_for`` chose (no dense operands, no position masks)."""
+    and merges them. Only for calls ``splits_for`` chose (no position masks; of the dense operands only a key-only
+    mask, which is chunked with the keys)."""
     batch, seqlen_q, heads, head_dim = q.shape
     chunk = k.shape[1] // splits
     if masks.kv_seqlens.shape[-1]:
@@ -112,8 +119,10 @@ def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, m
                                kv_segment_ids=kv_segment_ids)
     if config.causal:  # only where it is moot (_qualifies), and it would not be in a chunk
         config = dataclasses.replace(config, causal=False)
-    o, lse = call(_repeated(q, splits), _chunked(k, splits), _chunked(v, splits), chunk_masks, config,
-                  DenseOperands.absent(batch * splits))
+    chunk_dense = DenseOperands.absent(batch * splits)
+    if dense.has_mask:
+        chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, splits))
+    o, lse = call(_repeated(q, splits), _chunked(k, splits), _chunked(v, splits), chunk_masks, config, chunk_dense)
     o = o.reshape(batch, splits, seqlen_q, heads, head_dim)
     lse = lse.reshape(batch, splits, heads, seqlen_q)
     top = jnp.max(lse, axis=1, keepdims=True)

@@ -9,13 +9,15 @@ import pytest
 
 import jax_flash
 from jax_flash import _key_masks, _validation
-from jax_flash._config import ScoreConfig
-from attention_cases import Case, assert_forward_within_bound, assert_gradients_within_bound
+from jax_flash._config import KEY_MASK_FORM_ENV, ScoreConfig
+from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound,
+                              forward_call_operand_shapes)
 
 
 @pytest.fixture(autouse=True)
 def automatic_choice(monkeypatch):
     monkeypatch.delenv(_key_masks.KEY_MASKS_ENV, raising=False)
+    monkeypatch.delenv(KEY_MASK_FORM_ENV, raising=False)
 
 
 def key_mask(batch: int, seqlen_k: int, seed: int, shape=None) -> jax.Array:
@@ -77,7 +79,9 @@ def test_which_calls_convert(monkeypatch):
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("seqlen_q,heads_q,heads_kv,causal,with_lengths",
                          ((1, 8, 2, False, False), (1, 4, 4, True, False), (7, 4, 1, False, True)))
-def test_converted_values_and_gradients(seqlen_q, heads_q, heads_kv, causal, with_lengths, dtype, monkeypatch):
+@pytest.mark.parametrize("form", ("segments", "dense"))
+def test_converted_values_and_gradients(seqlen_q, heads_q, heads_kv, causal, with_lengths, dtype, form, monkeypatch):
+    monkeypatch.setenv(KEY_MASK_FORM_ENV, form)
     case = Case(batch=3, seqlen_q=seqlen_q, seqlen_k=90, heads_q=heads_q, heads_kv=heads_kv, head_dim=24,
                 dtype=dtype, seed=seqlen_q + heads_q)
     kwargs = {"mask": key_mask(3, 90, case.seed), "causal": causal}
@@ -90,8 +94,33 @@ def test_converted_values_and_gradients(seqlen_q, heads_q, heads_kv, causal, wit
     o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
     assert np.all(np.isneginf(np.asarray(lse[1]))) and np.all(np.asarray(o[1], np.float32) == 0.0)
     monkeypatch.setenv(_key_masks.KEY_MASKS_ENV, "0")
+    monkeypatch.delenv(KEY_MASK_FORM_ENV)
     o_dense, lse_dense = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_dense, np.float32),
                                rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_dense), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_form_packs_and_splits_with_the_mask(monkeypatch):
+    """JAX_FLASH_KEY_MASK_FORM=dense: the converted call keeps its key-only mask, and GQA packing and the split-KV
+    forward still apply (the mask is chunked with the keys); the result is the dense path's."""
+    case = Case(batch=2, seqlen_q=1, seqlen_k=2048, heads_q=8, heads_kv=2, head_dim=16, seed=4)
+    q, k, v = case.inputs()
+    mask = key_mask(2, 2048, 4)
+    monkeypatch.setenv(KEY_MASK_FORM_ENV, "dense")
+    shapes = forward_call_operand_shapes(q, k, v, mask=mask)
+    assert len(shapes) == 1
+    (q_shape, k_shape), = shapes
+    splits = k_shape[0] // 2
+    assert splits > 1 and k_shape[1] * splits == 2048 and q_shape[1:3] == (4, 2), shapes  # packed rows, split keys
+    o = jax_flash.attention(q, k, v, mask=mask)
+    assert_forward_within_bound(q, k, v, case.dtype, mask=mask)
+    monkeypatch.setenv(_key_masks.KEY_MASKS_ENV, "0")
+    monkeypatch.delenv(KEY_MASK_FORM_ENV)
+    assert forward_call_operand_shapes(q, k, v, mask=mask) == [((2, 1, 8, 16), (2, 2048, 2, 16))]  # as given
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, mask=mask)), rtol=1e-5,
+                               atol=1e-5)
+    monkeypatch.setenv(KEY_MASK_FORM_ENV, "sparse")
+    with pytest.raises(ValueError, match=KEY_MASK_FORM_ENV):
+        jax_flash.attention(q, k, v, mask=mask)
