@@ -32,7 +32,7 @@
 #   ncu_decode   Nsight Compute detail (memory, pipes, stalls) of one decoding forward launch through JAX
 #                (bench_decode.py, G = 32 / heads_kv $NCU_DECODE_HEADS_KV (default 1), seqlen_k $NCU_DECODE_SEQLEN
 #                (default 65536), split-KV and packing as by default), after the warm-up launches
-#   pytest_files the test files $PYTEST_FILES through pytest (GPU by default where there is one)
+#   pytest_files the test files $PYTEST_FILES through pytest, on the GPU (JAX_FLASH_TEST_PLATFORM=gpu)
 #   decode*      benchmarks/bench_decode.py ${NAME}_ARGS under environment ${NAME}_ENV (as bench*)
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
@@ -242,8 +242,8 @@ run_stage() {
     dense90) stage dense90 360 dense90 ;;
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     # pytest_files: the test files $PYTEST_FILES (paths from the repository root), e.g. the platform-neutral suites,
-    # which run on the GPU when one is present.
-    pytest_files) (cd /tmp && stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+    # on the GPU (JAX_FLASH_TEST_PLATFORM=gpu: without it tests/conftest.py places their arrays on the CPU).
+    pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
                     $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
     pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
