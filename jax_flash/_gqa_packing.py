@@ -59,13 +59,20 @@ def masks_read_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig)
     return config.causal and not _causal_is_moot(q, masks, config)
 
 
-def has_dense_operands(config: ScoreConfig, dense: DenseOperands) -> bool:
+def has_dense_operands(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                       dense: DenseOperands) -> bool:
     """A bias, a boolean mask or dropout: per-element operands that neither packing nor the split-KV forward
-    rearranges; except a key-only mask where ``JAX_FLASH_KEY_MASK_FORM=dense`` (``_config.key_masks_stay_dense``):
-    it reads no query position, so packed rows share it, and it splits along the keys like K."""
+    rearranges; except, with ``JAX_FLASH_KEY_MASK_FORM=dense`` (``_config.key_masks_stay_dense``), a key-only mask
+    that ``_key_masks`` converts (to kv lengths, keeping the mask): it reads no query position, so packed rows share
+    it, and it splits along the keys like K."""
     if dense.has_bias or config.dropout_rate > 0:
         return True
-    return dense.has_mask and not (dense.has_key_only_mask and key_masks_stay_dense())
+    if not dense.has_mask:
+        return False
+    if not key_masks_stay_dense():
+        return True
+    from jax_flash import _key_masks  # here: _key_masks imports this module
+    return not _key_masks.converts(q, k, masks, config, dense)
 
 
 def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
@@ -77,7 +84,7 @@ def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: Score
         return 1
     if _tiles(seqlen_q * group) >= group * _tiles(seqlen_q):
         return 1  # no tile saved (seqlen_q a multiple of the tile height)
-    if has_dense_operands(config, dense) or masks_read_positions(q, masks, config):
+    if has_dense_operands(q, k, masks, config, dense) or masks_read_positions(q, masks, config):
         return 1
     if not _query_axes_replicated(q):
         return 1

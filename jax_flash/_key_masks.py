@@ -43,7 +43,8 @@ KEY_MASKS_ENV = "JAX_FLASH_KEY_MASKS"
 _ONE_WAVE_TILES = 132
 
 
-def _converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+def converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    """Whether the call's mask is converted (the module docstring says where)."""
     mask_shape = dense.mask.shape
     if mask_shape[-1] == 0 or mask_shape[1:3] != (1, 1) or mask_shape[3] != k.shape[1]:
         return False  # no mask, or one that differs between heads or query rows
@@ -62,7 +63,7 @@ def as_lengths_and_segments(q: jax.Array, k: jax.Array, masks: MaskOperands, con
                             dense: DenseOperands) -> tuple[MaskOperands, DenseOperands]:
     """The call's operands with a key-only mask moved into ``kv_seqlens`` and segment ids, where that applies
     (module docstring); otherwise unchanged."""
-    if not _converts(q, k, masks, config, dense):
+    if not converts(q, k, masks, config, dense):
         return masks, dense
     batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]

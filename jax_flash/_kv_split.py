@@ -60,7 +60,7 @@ def _unsharded(x: jax.Array) -> bool:
 
 
 def _qualifies(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
-    if has_dense_operands(config, dense) or masks_read_positions(q, masks, config):
+    if has_dense_operands(q, k, masks, config, dense) or masks_read_positions(q, masks, config):
         return False
     return q.shape[1] > 0 and k.shape[1] > 0 and _unsharded(q) and _unsharded(k)
 
@@ -78,6 +78,8 @@ def splits_for(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreCon
     if seqlen_q > TILE_ROWS:
         return 1  # measured for decoding shapes only (one row tile per slice); prefill keeps its own tiles
     tiles = batch * heads
+    if tiles == 0:
+        return 1
     wanted = min(-(-_TARGET_TILES // tiles), seqlen_k // _MIN_CHUNK)
     # The largest divisor of seqlen_k up to `wanted` (chunks reshape without a copy only when they are equal).
     return next(n for n in range(max(wanted, 1), 0, -1) if seqlen_k % n == 0)
@@ -92,10 +94,10 @@ def _repeated(x: jax.Array, splits: int) -> jax.Array:
     return jnp.repeat(x, splits, axis=0)
 
 
-def _chunked_key_mask(mask: jax.Array, batch: int, splits: int) -> jax.Array:
-    """A key-only mask ``[B|1, 1, 1, Sk]`` -> ``[B * n, 1, 1, Sk / n]``, chunked like K."""
-    mask = jnp.broadcast_to(mask, (batch, 1, 1, mask.shape[-1]))
-    return _chunked(mask.reshape(batch, mask.shape[-1]), splits)[:, None, None, :]
+def _chunked_key_mask(mask: jax.Array, batch: int, seqlen_k: int, splits: int) -> jax.Array:
+    """A key-only mask ``[B|1, 1, 1, Sk|1]`` -> ``[B * n, 1, 1, Sk / n]``, chunked like K."""
+    mask = jnp.broadcast_to(mask, (batch, 1, 1, seqlen_k))
+    return _chunked(mask.reshape(batch, seqlen_k), splits)[:, None, None, :]
 
 
 def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
@@ -121,7 +123,7 @@ def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, m
         config = dataclasses.replace(config, causal=False)
     chunk_dense = DenseOperands.absent(batch * splits)
     if dense.has_mask:
-        chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, splits))
+        chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, k.shape[1], splits))
     o, lse = call(_repeated(q, splits), _chunked(k, splits), _chunked(v, splits), chunk_masks, config, chunk_dense)
     o = o.reshape(batch, splits, seqlen_q, heads, head_dim)
     lse = lse.reshape(batch, splits, heads, seqlen_q)

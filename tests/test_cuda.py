@@ -896,8 +896,9 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v, float32_precision="tf32"))
     if _is_hopper():  # a feature the Hopper TF32 kernel does not have: forcing it is an error, not a fallback
         monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
-        with pytest.raises(Exception, match="float32 kernels only"):
-            jax.block_until_ready(jax_flash.attention(q, k, v, float32_precision="tf32", softcap=3.0))
+        with pytest.raises(Exception, match="dropout runs on the float32 kernels only"):
+            jax.block_until_ready(jax_flash.attention(q, k, v, float32_precision="tf32", dropout_rate=0.1,
+                                                      dropout_rng=jax.random.key(0)))
 
 
 @pytest.mark.parametrize("precision", FLOAT32_MODES)

@@ -121,6 +121,12 @@ def test_dense_form_packs_and_splits_with_the_mask(monkeypatch):
     assert forward_call_operand_shapes(q, k, v, mask=mask) == [((2, 1, 8, 16), (2, 2048, 2, 16))]  # as given
     np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, mask=mask)), rtol=1e-5,
                                atol=1e-5)
+    monkeypatch.setenv(KEY_MASK_FORM_ENV, "dense")  # still dense with JAX_FLASH_KEY_MASKS=0: not packed or split
+    assert forward_call_operand_shapes(q, k, v, mask=mask) == [((2, 1, 8, 16), (2, 2048, 2, 16))]
+    monkeypatch.delenv(_key_masks.KEY_MASKS_ENV)
+    for broadcast in (jnp.ones((2, 1, 1, 1), bool), True):  # masks broadcast along the keys are not key-only
+        o = jax_flash.attention(q, k, v, mask=broadcast)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v)), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv(KEY_MASK_FORM_ENV, "sparse")
     with pytest.raises(ValueError, match=KEY_MASK_FORM_ENV):
         jax_flash.attention(q, k, v, mask=mask)

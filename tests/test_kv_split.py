@@ -132,6 +132,12 @@ def test_empty_chunks_and_rows_without_keys(monkeypatch):
     assert all(not np.isnan(np.asarray(g)).any() for g in grads)
 
 
+def test_empty_batch_runs_whole():
+    """A decoding-shaped call with batch 0 (no tiles at all) runs unsplit, not into a division by zero."""
+    q, k = jnp.zeros((0, 1, 4, 32)), jnp.zeros((0, 4096, 1, 32))
+    assert jax_flash.attention(q, k, k).shape == (0, 1, 4, 32)
+
+
 def test_split_under_vmap_and_jit(monkeypatch):
     monkeypatch.setenv(_kv_split.SPLIT_KV_ENV, "4")
     assert_vmapped_jit_matches_xla(Case(batch=2, seqlen_q=1, seqlen_k=40, heads_q=8, heads_kv=2, seed=11))

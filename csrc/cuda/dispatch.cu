@@ -206,6 +206,11 @@ constexpr int kSm90Tf32HeadDims[] = {64, 128};  // common/tf32_workspace.h tf32_
 std::string sm90_tf32_refusal(const AttentionParams& p) {
   if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
   if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
+  bool dense = false;
+  if (std::string err = sm90_dense_switch(&dense); !err.empty()) return err;
+  if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
+    return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
+  }
   // The Python side passes the workspace only to the calls it sends here: the common form, and with
   // JAX_FLASH_TF32_FORMS=1 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
