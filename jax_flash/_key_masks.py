@@ -14,9 +14,9 @@ same path as decoding with ``kv_seqlens``.
 
 Where: GQA calls (packing then reads each KV head once for its whole group) and calls with fewer query tiles than
 the GPU has SMs (the split-KV forward then spreads them), of at most 128 query rows (``TILE_ROWS``: decoding shapes,
-where the gain is), whose mask is key-only and the only dense operand (no bias, no dropout), without segment ids of their own (two segment masks do not merge
-into one) and without the masks whose alignment moves with ``kv_seqlens`` (window, ALiBi, causal unless moot: see
-``_gqa_packing.masks_read_positions``). The caller's own ``kv_seqlens`` combine by minimum.
+where the gain is), whose mask is key-only and the only dense operand (no bias, no dropout), without segment ids of
+their own (two segment masks do not merge into one) and without the masks whose alignment moves with ``kv_seqlens``
+(window, ALiBi, causal unless moot: see ``_gqa_packing.masks_read_positions``). The caller's own ``kv_seqlens`` combine by minimum.
 
 ``JAX_FLASH_KEY_MASKS`` (read when the call is traced): unset or ``1`` converts where it applies, ``0`` keeps the
 dense mask. ``JAX_FLASH_KEY_MASK_FORM=dense`` (``_config.key_masks_stay_dense``) converts to ``kv_seqlens`` only and
@@ -45,9 +45,8 @@ _ONE_WAVE_TILES = 132
 
 def converts(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
     """Whether the call's mask is converted (the module docstring says where)."""
-    mask_shape = dense.mask.shape
-    if mask_shape[-1] == 0 or mask_shape[1:3] != (1, 1) or mask_shape[3] != k.shape[1]:
-        return False  # no mask, or one that differs between heads or query rows
+    if not dense.has_key_only_mask or dense.mask.shape[3] != k.shape[1]:
+        return False  # no mask, one that differs between heads or query rows, or one broadcast along the keys
     if dense.has_bias or dense.dropout_seeds.shape[-1] != 0 or q.shape[1] > TILE_ROWS:
         return False
     if masks.q_segment_ids.shape[-1] != 0 or masks_read_positions(q, masks, config):

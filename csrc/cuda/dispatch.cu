@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 
+#include "../common/tf32_workspace.h"
 #include "launch.h"
 #include "f32/launchers.h"
 #include "sm80/launchers.h"
@@ -138,6 +139,14 @@ std::string sm90_dense_switch(bool* enabled) {
   return {};
 }
 
+// What both Hopper forwards (bf16/fp16 and TF32) need of the call's sizes: the tile grid and the TMA coordinates in
+// 32 bits, and a non-empty key tensor for the descriptors. Empty when they hold, else why not.
+std::string sm90_forward_size_refusal(const AttentionParams& p) {
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
+  if (p.seqlen_k == 0) return "seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)";
+  return {};
+}
+
 // Empty when the sm90 forward kernel can run this call, else why not. dense: JAX_FLASH_SM90_DENSE is not 0.
 std::string sm90_forward_refusal(const AttentionParams& p, bool dense) {
   if (sm90_head_dim(p.head_dim) == 0) return "this build has no sm_90a kernel for head_dim " + std::to_string(p.head_dim);
@@ -151,9 +160,7 @@ std::string sm90_forward_refusal(const AttentionParams& p, bool dense) {
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o)) {
     return "q, k, v and o must be 16-byte aligned";
   }
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
-  if (p.seqlen_k == 0) return "seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)";
-  return {};
+  return sm90_forward_size_refusal(p);
 }
 
 // Whether a call runs the sm90 family: the environment variable `variable` (read at every call) forces "sm80" or
@@ -198,9 +205,9 @@ constexpr int kSm90BackwardHeadDims[] = {0 JAX_FLASH_CUDA_SM90_BACKWARD_HEAD_DIM
 
 int sm90_backward_head_dim(int64_t head_dim) { return smallest_at_least(kSm90BackwardHeadDims, head_dim); }
 
-// ---- float32 forward: the Hopper TF32 kernel (sm90/forward_launch.h launch_tf32_forward) on compute capability 9.x
-// where it applies, else the float32 kernels (f32/). JAX_FLASH_CUDA_KERNEL_F32=sm80|sm90 forces one, for testing.
-constexpr int kSm90Tf32HeadDims[] = {64, 128};  // common/tf32_workspace.h tf32_vt_head_dim
+// ---- float32 forward: the Hopper TF32 kernel (sm90::launch_forward with element cutlass::tfloat32_t) on compute
+// capability 9.x where it applies, else the float32 kernels (f32/). JAX_FLASH_CUDA_KERNEL_F32=sm80|sm90 forces one,
+// for testing. Its kernel head dim is the V^T workspace's (common/tf32_workspace.h tf32_vt_head_dim).
 
 // Empty when the sm90 TF32 forward can run this float32 call, else why not.
 std::string sm90_tf32_refusal(const AttentionParams& p) {
@@ -214,8 +221,7 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   // The Python side passes the workspace only to the calls it sends here: the common form, and with
   // JAX_FLASH_TF32_FORMS=1 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
-  const int kernel_dim = smallest_at_least(kSm90Tf32HeadDims, p.head_dim);
-  if (kernel_dim == 0 || !contains(kSm90HeadDims, kernel_dim)) {
+  if (p.head_dim > kTf32MaxHeadDim || !contains(kSm90HeadDims, static_cast<int>(tf32_vt_head_dim(p.head_dim)))) {
     return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
@@ -223,13 +229,11 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.o) || !aligned16(p.tf32_vt)) {
     return "q, k, o and the V^T workspace must be 16-byte aligned";
   }
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
-  if (p.seqlen_k == 0) return "seqlen_k is 0 (a TMA descriptor needs a non-empty tensor)";
-  return {};
+  return sm90_forward_size_refusal(p);
 }
 
 std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 64) {
+  if (tf32_vt_head_dim(p.head_dim) == 64) {
     if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_forward<64, cutlass::tfloat32_t>(p, stream);
   } else {
     if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_forward<128, cutlass::tfloat32_t>(p, stream);

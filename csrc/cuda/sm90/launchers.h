@@ -10,10 +10,10 @@
 
 namespace jax_flash::cuda::sm90 {
 
+// Element bf16 / fp16, or cutlass::tfloat32_t: float32 calls on TF32 tensor cores (head dims 64 and 128), with the
+// V^T workspace (forward_launch.h).
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
-
-// Element cutlass::tfloat32_t: float32 calls on TF32 tensor cores (head dims 64 and 128), with the V^T workspace.
 
 // The Hopper backward (backward_traits.h); dispatch.cu runs it on 9.x for the calls it supports
 // (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
