@@ -35,6 +35,9 @@ IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
 KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
 BACKWARD_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "auto"}  # JAX_FLASH_CUDA_KERNEL_BACKWARD
 FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default", "xla_f32_highest")
+FLOAT32_MODE = {"jax_flash_tf32": "tf32", "jax_flash_f32_highest": "highest"}  # jax_flash's float32_precision
+XLA_FLOAT32 = {"xla_f32_default": "default", "xla_f32_highest": "highest"}  # XLA's matmul precision
+JAX_FLASH_IMPLEMENTATIONS = (*KERNEL_FAMILY, *FLOAT32_MODE)  # the rows that take every feature
 
 
 FEATURES = ("none", "padding_mask", "dropout", "softcap")
@@ -58,26 +61,27 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
 
     import jax_flash
 
-    if implementation in ("jax_flash_tf32", "jax_flash_f32_highest"):
-        mode = "tf32" if implementation == "jax_flash_tf32" else "highest"
-        return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, float32_precision=mode)
-    if implementation in ("xla_f32_default", "xla_f32_highest"):
-        def xla_float32(q, k, v):  # the precision applies while jit traces the function
-            if implementation == "xla_f32_default":
-                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
-            with jax.default_matmul_precision("highest"):
-                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
-
-        return xla_float32
     mask = padding_mask(batch, seqlen) if feature == "padding_mask" else None
-    if implementation in KERNEL_FAMILY:
+    if implementation in JAX_FLASH_IMPLEMENTATIONS:
         extra = ({"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if feature == "dropout"
                  else {"softcap": SOFTCAP} if feature == "softcap" else {})
+        if implementation in FLOAT32_MODE:
+            extra["float32_precision"] = FLOAT32_MODE[implementation]
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra)
     if mask is not None:  # jax.nn's cuDNN path wants the mask's query axis at full length (it becomes a bias)
         mask = jax.numpy.broadcast_to(mask, (batch, 1, seqlen, seqlen))
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                                        implementation=implementation)
+
+    def jax_nn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                            implementation="xla" if implementation in XLA_FLOAT32 else implementation)
+
+    if XLA_FLOAT32.get(implementation) == "highest":
+        def highest(q, k, v):  # the precision applies while jit traces the function
+            with jax.default_matmul_precision("highest"):
+                return jax_nn(q, k, v)
+
+        return highest
+    return jax_nn
 
 
 def median_seconds(fn, args, reps: int) -> float:
@@ -135,7 +139,7 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
     row = {"impl": implementation, "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads,
            "causal": causal, "feature": feature, "fwd_tflops": None, "bwd_tflops": None}
-    if feature in JAX_FLASH_ONLY_FEATURES and implementation not in KERNEL_FAMILY:
+    if feature in JAX_FLASH_ONLY_FEATURES and implementation not in JAX_FLASH_IMPLEMENTATIONS:
         row["note"] = f"without {feature} (jax.nn exposes no {feature})"
     try:
         forward = jax.jit(attend)

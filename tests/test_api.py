@@ -308,25 +308,26 @@ def _forward_workspaces(q, k, v, **kwargs) -> list[tuple[int, ...]]:
 
 
 def test_which_forward_calls_get_the_tf32_workspace(monkeypatch):
-    """V^T's workspace goes to float32 TF32 calls the Hopper TF32 forward can run (its common form, plus softcap,
-    ALiBi, bias and mask with JAX_FLASH_TF32_FORMS=1), never to others."""
+    """V^T's workspace goes to float32 TF32 calls the Hopper TF32 forward can run (its common form, and softcap,
+    ALiBi, bias and mask unless JAX_FLASH_TF32_FORMS=0), never to others."""
     monkeypatch.delenv(_ffi_calls.TF32_FORMS_ENV, raising=False)
     q, k, v = _inputs(dtype=jnp.float32, head_dim=40)
     full = [(2, 2, 64 * 24)]
+    mask = jnp.ones((2, 1, 19, 23), bool)
     assert _forward_workspaces(q, k, v) == full
     assert _forward_workspaces(q, k, v, causal=True, window_size=(3, 2)) == full
+    assert _forward_workspaces(q, k, v, softcap=2.0) == full
+    assert _forward_workspaces(q, k, v, mask=mask) == full
     assert _forward_workspaces(q, k, v, float32_precision="highest") == [(0,)]
-    assert _forward_workspaces(q, k, v, softcap=2.0) == [(0,)]
-    mask = jnp.ones((2, 1, 19, 23), bool)
-    assert _forward_workspaces(q, k, v, mask=mask) == [(0,)]
+    assert _forward_workspaces(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)) == [(0,)]
     assert _forward_workspaces(*_inputs(dtype=jnp.bfloat16, head_dim=40)) == [(0,)]
     assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=130)) == [(0,)]
     assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=6)) == [(0,)]  # TMA rows: head_dim % 4
     assert _forward_workspaces(*_inputs(dtype=jnp.float32, head_dim=100)) == [(2, 2, 128 * 24)]
-    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "1")
-    assert _forward_workspaces(q, k, v, softcap=2.0) == full
-    assert _forward_workspaces(q, k, v, mask=mask) == full
-    assert _forward_workspaces(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)) == [(0,)]
+    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "0")
+    assert _forward_workspaces(q, k, v) == full
+    assert _forward_workspaces(q, k, v, softcap=2.0) == [(0,)]
+    assert _forward_workspaces(q, k, v, mask=mask) == [(0,)]
     monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "yes")
     with pytest.raises(ValueError, match=_ffi_calls.TF32_FORMS_ENV):
         _forward_workspaces(q, k, v, softcap=2.0)

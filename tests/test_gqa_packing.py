@@ -10,7 +10,8 @@ import pytest
 import jax_flash
 from jax_flash import _gqa_packing
 from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound,
-                             assert_vmapped_jit_matches_xla, feature_kwargs, forward_call_operand_shapes)
+                             assert_vmapped_jit_matches_xla, feature_kwargs, forward_call_operand_shapes,
+                             same_attention_tolerance)
 
 
 def packed(case: Case, **kwargs) -> bool:
@@ -84,8 +85,8 @@ def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype
     monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "0")
     o_plain, lse_plain = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
     np.testing.assert_allclose(np.asarray(o_packed, np.float32), np.asarray(o_plain, np.float32),
-                               rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse_packed), np.asarray(lse_plain), rtol=1e-5, atol=1e-5)
+                               **same_attention_tolerance(q))
+    np.testing.assert_allclose(np.asarray(lse_packed), np.asarray(lse_plain), **same_attention_tolerance(q, lse=True))
 
 
 def test_packed_under_vmap_and_jit(monkeypatch):

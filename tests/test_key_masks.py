@@ -11,7 +11,7 @@ import jax_flash
 from jax_flash import _key_masks, _validation
 from jax_flash._config import KEY_MASK_FORM_ENV, ScoreConfig
 from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound,
-                              forward_call_operand_shapes)
+                              forward_call_operand_shapes, same_attention_tolerance)
 
 
 @pytest.fixture(autouse=True)
@@ -97,9 +97,8 @@ def test_converted_values_and_gradients(seqlen_q, heads_q, heads_kv, causal, wit
     monkeypatch.delenv(KEY_MASK_FORM_ENV)
     o_dense, lse_dense = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_dense, np.float32),
-                               rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
-                               atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_dense), rtol=1e-5, atol=1e-5)
+                               **same_attention_tolerance(q))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_dense), **same_attention_tolerance(q, lse=True))
 
 
 def test_dense_form_packs_and_splits_with_the_mask(monkeypatch):
@@ -119,14 +118,15 @@ def test_dense_form_packs_and_splits_with_the_mask(monkeypatch):
     monkeypatch.setenv(_key_masks.KEY_MASKS_ENV, "0")
     monkeypatch.delenv(KEY_MASK_FORM_ENV)
     assert forward_call_operand_shapes(q, k, v, mask=mask) == [((2, 1, 8, 16), (2, 2048, 2, 16))]  # as given
-    np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, mask=mask)), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v, mask=mask)),
+                               **same_attention_tolerance(q))
     monkeypatch.setenv(KEY_MASK_FORM_ENV, "dense")  # still dense with JAX_FLASH_KEY_MASKS=0: not packed or split
     assert forward_call_operand_shapes(q, k, v, mask=mask) == [((2, 1, 8, 16), (2, 2048, 2, 16))]
     monkeypatch.delenv(_key_masks.KEY_MASKS_ENV)
     for broadcast in (jnp.ones((2, 1, 1, 1), bool), True):  # masks broadcast along the keys are not key-only
         o = jax_flash.attention(q, k, v, mask=broadcast)
-        np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(jax_flash.attention(q, k, v)),
+                                   **same_attention_tolerance(q))
     monkeypatch.setenv(KEY_MASK_FORM_ENV, "sparse")
     with pytest.raises(ValueError, match=KEY_MASK_FORM_ENV):
         jax_flash.attention(q, k, v, mask=mask)

@@ -218,8 +218,8 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
     return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
   }
-  // The Python side passes the workspace only to the calls it sends here: the common form, and with
-  // JAX_FLASH_TF32_FORMS=1 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
+  // The Python side passes the workspace only to the calls it sends here: the common form, and
+  // unless JAX_FLASH_TF32_FORMS=0 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
   if (p.head_dim > kTf32MaxHeadDim || !contains(kSm90HeadDims, static_cast<int>(tf32_vt_head_dim(p.head_dim)))) {
     return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
