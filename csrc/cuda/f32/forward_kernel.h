@@ -1,8 +1,9 @@
 // Exact-float32 forward: one CTA owns 64 query rows of one (batch, head) and streams the visible key tiles
 // through shared memory. Per tile: S = Q Kᵀ (float32 FMA), the shared score pipeline, an online-softmax update
 // of the running row max and sum (of the undropped probabilities: the lse ignores dropout), then O += P V with P
-// (dropped out, in the general variant) staged in shared memory. K and V share one buffer (V is
-// loaded once S is done), which keeps two CTAs per SM at head dim 128.
+// (dropped out, in the general variant) staged in shared memory. K and V share one buffer (V's copy starts once S
+// is done and runs under the softmax), which keeps two CTAs per SM at head dim 128; the other CTA's math covers
+// the rest of the copies' latency.
 #pragma once
 
 #include <cmath>
@@ -80,6 +81,10 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
     }
     float s[kRowsPerThread][kCols];
     tile_abt<kHeadDim, kCols>(smem_q, smem_kv, t, s);
+    // V replaces K once everyone has read K; its copy runs while the softmax below does.
+    __syncthreads();
+    load_tile_start<kTileRows, kHeadDim>(smem_kv, v_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
+                                         valid_keys, static_cast<int>(p.head_dim), vectorized);
 
     const bool check_mask = tile_needs_mask<kGeneral>(mask, m0, kTileRows, n0, kTileRows);
 #pragma unroll
@@ -108,9 +113,6 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
 #pragma unroll
       for (int c = 0; c < kOutCols; ++c) acc[r][c] *= correction;
     }
-    __syncthreads();  // everyone done reading K before V overwrites it
-    load_tile<kTileRows, kHeadDim>(smem_kv, v_head + n0 * kv_shape.row_stride(), kv_shape.row_stride(),
-                                   valid_keys, static_cast<int>(p.head_dim), vectorized);
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r)
 #pragma unroll
@@ -121,6 +123,7 @@ __global__ void __launch_bounds__(kThreads, kHeadDim <= 128 ? 2 : 1) forward_ker
         }
         smem_p[(t.ty + 16 * r) * (kTileRows + 4) + t.tx + 16 * c] = prob;
       }
+    cp_async_wait<0>();
     __syncthreads();
     tile_ab_accumulate<kHeadDim, kTileRows>(smem_p, smem_kv, t, acc);
   }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../../common/attention_params.h"
+#include "async_copy.h"
 
 namespace jax_flash::cuda::f32 {
 
@@ -32,25 +33,21 @@ __device__ inline ThreadCoord thread_coord() { return {int(threadIdx.x) % kGroup
 
 // Copies rows [0, valid_rows) x cols [0, head_dim) of a global tile (row stride `ld`) into a
 // [rows, kHeadDim] shared tile; everything else of the shared tile becomes zero, so padded rows and head-dim
-// columns add nothing to any dot product.
+// columns add nothing to any dot product. load_tile_start issues the copy as one cp.async group (vectorized:
+// head_dim % 4 == 0 and 16-byte aligned rows; otherwise it stores synchronously); the tile is this thread's once
+// cp_async_wait returns, everyone's after the barrier that follows. load_tile waits right away.
+template <int kRows, int kHeadDim>
+__device__ void load_tile_start(float* smem, const float* gmem, int64_t ld, int valid_rows, int head_dim,
+                                bool vectorized) {
+  load_tile_async<kRows, kHeadDim, padded_stride<kHeadDim>(), kThreads>(smem, gmem, ld, valid_rows, head_dim,
+                                                                         vectorized);
+  cp_async_commit();
+}
 template <int kRows, int kHeadDim>
 __device__ void load_tile(float* smem, const float* gmem, int64_t ld, int valid_rows, int head_dim,
                           bool vectorized) {
-  constexpr int kStride = padded_stride<kHeadDim>();
-  if (vectorized) {  // head_dim % 4 == 0 and 16-byte aligned rows
-    constexpr int kVecs = kHeadDim / 4;
-    for (int idx = threadIdx.x; idx < kRows * kVecs; idx += kThreads) {
-      const int row = idx / kVecs, col = (idx % kVecs) * 4;
-      float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (row < valid_rows && col < head_dim) value = *reinterpret_cast<const float4*>(gmem + row * ld + col);
-      *reinterpret_cast<float4*>(smem + row * kStride + col) = value;
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < kRows * kHeadDim; idx += kThreads) {
-      const int row = idx / kHeadDim, col = idx % kHeadDim;
-      smem[row * kStride + col] = row < valid_rows && col < head_dim ? gmem[row * ld + col] : 0.0f;
-    }
-  }
+  load_tile_start<kRows, kHeadDim>(smem, gmem, ld, valid_rows, head_dim, vectorized);
+  cp_async_wait<0>();
 }
 
 // acc[r][c] = sum_d a[ty + 16 r][d] * b[tx + 16 c][d]: a score tile (A Bᵀ) of two [64, kHeadDim] tiles; b may

@@ -1,6 +1,6 @@
 // TF32 tensor-core pieces of the tf32 kernels: rounding to TF32, the SM80 m16n8k8 TF32 MMA atom (CuTe's), the
-// warp's fragment coordinates, and cp.async tile loads (ldmatrix moves only 16-bit elements, so 32-bit operands
-// are read from shared memory with plain float2 / float loads).
+// warp's fragment coordinates, and the A-fragment loads of resident tiles (ldmatrix moves only 16-bit elements, so
+// 32-bit operands are read from shared memory with plain float2 / float loads; cp.async tile loads: async_copy.h).
 //
 // Fragment coordinates of mma.m16n8k8 (PTX ISA), with g = lane / 4 and q = lane % 4:
 //   A (16 x 8, row-major):  a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4)
@@ -28,6 +28,8 @@
 #include <cstdint>
 
 #include <cute/arch/mma_sm80.hpp>
+
+#include "async_copy.h"
 
 namespace jax_flash::cuda::f32 {
 
@@ -116,35 +118,6 @@ __device__ __forceinline__ void zero(float (&x)[kRows][kCols]) {
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int c = 0; c < kCols; ++c) x[r][c] = 0.0f;
-}
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = fill ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
-
-// Like load_tile (simt_tile.h) into a tile of row stride kStride, asynchronously when vectorized (the caller
-// commits and waits); rows >= valid_rows and columns >= head_dim become zero.
-template <int kRows, int kHeadDim, int kStride, int kThreadCount>
-__device__ void load_tile_async(float* smem, const float* gmem, int64_t ld, int valid_rows, int head_dim,
-                                bool vectorized) {
-  if (vectorized) {  // head_dim % 4 == 0 and 16-byte aligned rows
-    constexpr int kVecs = kHeadDim / 4;
-    for (int idx = threadIdx.x; idx < kRows * kVecs; idx += kThreadCount) {
-      const int row = idx / kVecs, col = (idx % kVecs) * 4;
-      const bool inside = row < valid_rows && col < head_dim;
-      cp_async_16(smem + row * kStride + col, inside ? gmem + row * ld + col : gmem, inside);
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < kRows * kHeadDim; idx += kThreadCount) {
-      const int row = idx / kHeadDim, col = idx % kHeadDim;
-      smem[row * kStride + col] = row < valid_rows && col < head_dim ? gmem[row * ld + col] : 0.0f;
-    }
-  }
 }
 
 // The A fragments of a warp's 16 rows of a [rows, kHeadDim] global tile (row 0 at gmem, row stride ld), rounded
