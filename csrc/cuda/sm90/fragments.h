@@ -6,6 +6,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/named_barrier.h"
+
 namespace jax_flash::cuda::sm90 {
 
 using namespace cute;
@@ -64,14 +66,6 @@ __device__ __forceinline__ void issue_wgmma(TiledMma& mma, A& a, B const& b, Acc
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
   if constexpr (kRegisterA) warpgroup_fence_operand(a);
-}
-
-// Named barriers (id 0 is __syncthreads). Counts are in threads and must be multiples of 32.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace jax_flash::cuda::sm90
