@@ -69,7 +69,7 @@ def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     V, goes unused): float32 with allow_tf32, head_dim <= 128 and a multiple of 4 (TMA rows), no dropout, and the
     kernel's forms: common, softcap / ALiBi (transforms) and bias / boolean mask (dense).
     ``JAX_FLASH_TF32_FORMS=0`` (read when the call is traced) keeps it to the common form, sending the others to
-    the mma.sync TF32 kernel (on the H200 6-10x slower: d=128 4k softcap 40 against 284 TFLOP/s)."""
+    the mma.sync TF32 kernel (on the H200 5-8x slower at 4k: d=128 softcap 40 against 284 TFLOP/s)."""
     head_dim = q.shape[-1]
     if not (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
             and config.dropout_rate == 0):

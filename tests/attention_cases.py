@@ -111,8 +111,8 @@ def same_attention_tolerance(x, lse: bool = False) -> dict[str, float]:
     input ``x``; ``lse`` for the float32 log-sum-exp of such calls. Half precision: a rounding or two of the
     output. float32: float32 summation order on the CPU, but TF32 on the GPU (runs_tf32), where two kernel
     families, or a kernel and XLA, round the operands differently."""
-    if runs_tf32(x):
-        return {"rtol": 1e-2, "atol": 5e-3}
+    if runs_tf32(x):  # lse: absolute, a dropped key out of 60 moves it by ~0.017
+        return {"rtol": 0.0, "atol": 5e-3} if lse else {"rtol": 1e-2, "atol": 5e-3}
     if lse or jnp.dtype(x.dtype) == jnp.float32:
         return {"rtol": 1e-5, "atol": 1e-5}
     return {"rtol": 2e-2, "atol": 1e-2}

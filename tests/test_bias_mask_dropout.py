@@ -8,7 +8,7 @@ import pytest
 import jax_flash
 from jax_flash import _dropout
 from attention_cases import (Case, assert_forward_within_bound, assert_gradients_within_bound, assert_within_bound,
-                              grads, oracle, oracle_grads)
+                              grads, oracle, oracle_grads, runs_tf32)
 
 CASE = Case(seqlen_q=37, seqlen_k=70, heads_q=4, heads_kv=2, head_dim=24)
 BIAS_SHAPES = [(2, 4, 37, 70), (4, 37, 70), (1, 4, 1, 70), (2, 1, 37, 1), (70,), (37, 1)]
@@ -38,7 +38,7 @@ def test_bias_values_and_gradients(shape, dtype):
                                                                    implementation="xla") * d_o64))(
             jnp.asarray(bias, jnp.float64))
     assert dbias.shape == bias.shape
-    assert_within_bound("dbias", dbias, dbias_xla, np.asarray(dbias_ref), dtype, scale=4.0)
+    assert_within_bound("dbias", dbias, dbias_xla, np.asarray(dbias_ref), dtype, scale=4.0, tf32=runs_tf32(q))
     assert_gradients_within_bound(q, k, v, d_o, dtype, **kwargs)
 
 

@@ -945,8 +945,8 @@ def test_float32_bias_mask_dropout(precision, dense):
         assert np.all(np.isneginf(np.asarray(lse)[:, :, 5])) and np.all(np.asarray(o)[:, 5] == 0)
 
 
-# The Hopper TF32 forward's transforms form (softcap, ALiBi, softmax_scale <= 0) and dense form (bias, boolean mask),
-# (on by default; JAX_FLASH_TF32_FORMS=0 turns them off; the test sets 1) and forced with
+# The Hopper TF32 forward's transforms form (softcap, ALiBi, softmax_scale <= 0) and dense form (bias, boolean mask;
+# on by default, JAX_FLASH_TF32_FORMS=0 turns them off, so the test sets 1), forced with
 # JAX_FLASH_CUDA_KERNEL_F32=sm90, so that a pass shows the Hopper kernel computed them.
 @pytest.mark.parametrize("head_dim", (64, 100))
 @pytest.mark.parametrize("feature", ("softcap", "alibi_batched_causal", "everything", "bias", "mask", "bias_mask"))

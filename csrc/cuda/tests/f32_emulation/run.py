@@ -38,6 +38,14 @@ def emulated_tf32_header(text: str) -> str:
     text = replace_function(text, "  __device__ __forceinline__ static void run(",
                             "  static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) "
                             "{ emu_mma(c, a, b0, b1); }")
+    if re.search(r"\basm\b", text):
+        raise SystemExit("tf32_mma.h has PTX this emulation does not replace")
+    return text
+
+
+def emulated_async_copy_header(text: str) -> str:
+    """f32/async_copy.h (the cp.async tile loads of every float32 kernel) with synchronous copies."""
+    text = text.replace("#include <cstdint>", '#include <cstdint>\n\n#include "emu_ptx.h"')
     text = replace_function(text, "__device__ __forceinline__ void cp_async_16(",
                             "__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) "
                             "{ emu_cp_async(smem, gmem, fill); }")
@@ -45,8 +53,8 @@ def emulated_tf32_header(text: str) -> str:
                             "__device__ __forceinline__ void cp_async_commit() {}")
     text = replace_function(text, "__device__ __forceinline__ void cp_async_wait()",
                             "__device__ __forceinline__ void cp_async_wait() {}")
-    if re.search(r"\basm\b", text):
-        raise SystemExit("tf32_mma.h has PTX this emulation does not replace")
+    if re.search(r"\basm\b|__cvta", text):
+        raise SystemExit("async_copy.h has PTX this emulation does not replace")
     return text
 
 
@@ -54,8 +62,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         shutil.copytree(CSRC, work / "csrc")
-        header = work / "csrc/cuda/f32/tf32_mma.h"
-        header.write_text(emulated_tf32_header(header.read_text()))
+        for name, emulated in (("tf32_mma.h", emulated_tf32_header), ("async_copy.h", emulated_async_copy_header)):
+            header = work / "csrc/cuda/f32" / name
+            header.write_text(emulated(header.read_text()))
         binary = work / "harness"
         compiler = shutil.which("g++") or "c++"
         subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", f"-I{HERE}", f"-I{work / 'csrc'}",
