@@ -894,6 +894,38 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
                                                       dropout_rng=jax.random.key(0)))
 
 
+# The TF32 backward's dK/dV pass on the Hopper kernel (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90, read at every call;
+# unset runs the mma.sync one): forcing it fails loudly where it cannot run a call, so a pass shows that it computed
+# these gradients (dQ still comes from the mma.sync TF32 pass). Windows, seqlens and segment ids are SliceMask
+# positions, which its common form applies like the 16-bit kernel's.
+@pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
+@pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
+                                                   ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
+                                                   ((200, 200), (4, 2), "window"), ((150, 190), (4, 2), "seqlens"),
+                                                   ((160, 160), (2, 2), "segments")),
+                         ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal", "window", "seqlens",
+                              "segments"))
+def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1])
+    check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
+
+
+def test_float32_tf32_backward_kernel_switch(monkeypatch):
+    q, k, v = _on(GPUS[0], *Case(dtype=jnp.float32, head_dim=64).inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.float32), GPUS[0])
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "fast")
+    with pytest.raises(Exception, match="JAX_FLASH_CUDA_KERNEL_F32_BACKWARD must be sm80, sm90 or auto"):
+        jax.block_until_ready(grads(q, k, v, d_o, float32_precision="tf32"))
+    if _is_hopper():  # a feature the Hopper TF32 dK/dV kernel does not have: forcing it is an error, not a fallback
+        monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+        with pytest.raises(Exception, match="run on the float32 kernels only"):
+            jax.block_until_ready(grads(q, k, v, d_o, float32_precision="tf32", softcap=5.0))
+
+
 @pytest.mark.parametrize("precision", FLOAT32_MODES)
 def test_float32_backward_is_bit_identical(precision):
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=128, dtype=jnp.float32)

@@ -209,6 +209,11 @@ int sm90_backward_head_dim(int64_t head_dim) { return smallest_at_least(kSm90Bac
 // capability 9.x where it applies, else the float32 kernels (f32/). JAX_FLASH_CUDA_KERNEL_F32=sm80|sm90 forces one,
 // for testing. Its kernel head dim is the V^T workspace's (common/tf32_workspace.h tf32_vt_head_dim).
 
+// Whether this build has the Hopper TF32 kernels (forward, and the dK/dV pass) of head_dim's kernel head dim.
+bool sm90_tf32_built(int64_t head_dim) {
+  return head_dim <= kTf32MaxHeadDim && contains(kSm90HeadDims, static_cast<int>(tf32_vt_head_dim(head_dim)));
+}
+
 // Empty when the sm90 TF32 forward can run this float32 call, else why not.
 std::string sm90_tf32_refusal(const AttentionParams& p) {
   if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
@@ -221,7 +226,7 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   // The Python side passes the workspace only to the calls it sends here: the common form, and
   // unless JAX_FLASH_TF32_FORMS=0 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
-  if (p.head_dim > kTf32MaxHeadDim || !contains(kSm90HeadDims, static_cast<int>(tf32_vt_head_dim(p.head_dim)))) {
+  if (!sm90_tf32_built(p.head_dim)) {
     return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
@@ -239,6 +244,40 @@ std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream)
     if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_forward<128, cutlass::tfloat32_t>(p, stream);
   }
   return "internal error: no sm90 TF32 kernel for head dim " + std::to_string(p.head_dim);
+}
+
+// ---- float32 backward: the float32 kernels (f32/), whose TF32 dK/dV pass the Hopper TF32 one (sm90::launch_tf32_dkdv,
+// backward_dkdv_tf32_consumer.h) replaces where JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90 or auto asks for it and it can
+// run the call; unset means sm80 for now (an experiment, not yet run on a GPU).
+
+// Empty when the sm90 TF32 dK/dV pass can run this float32 call, else why not.
+std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
+  if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernels";
+  if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr || p.softcap > 0.0f ||
+      p.alibi_slopes != nullptr || !(p.softmax_scale > 0.0f)) {
+    return "bias, boolean mask, dropout, softcap, ALiBi and softmax_scale <= 0 run on the float32 kernels only";
+  }
+  if (!sm90_tf32_built(p.head_dim)) {
+    return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
+  }
+  if (current_device_major() != 9) return "the device is not compute capability 9.x";
+  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
+  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dk, p.dv};
+  for (const void* ptr : operands) {
+    if (!aligned16(ptr)) return "q, k, v, dO, dk and dv must be 16-byte aligned";
+  }
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";
+  return {};
+}
+
+f32::DkdvLauncher sm90_tf32_dkdv(const AttentionBackwardParams& p) {
+  if (tf32_vt_head_dim(p.head_dim) == 64) {
+    if constexpr (contains(kSm90HeadDims, 64)) return &sm90::launch_tf32_dkdv<64>;
+  } else {
+    if constexpr (contains(kSm90HeadDims, 128)) return &sm90::launch_tf32_dkdv<128>;
+  }
+  return nullptr;
 }
 
 // Empty when the sm90 backward can run this call, else why not.
@@ -339,8 +378,16 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
   if (p.element_type == ElementType::kFloat32) {
+    bool use_sm90 = false;
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90 TF32 dK/dV kernel",
+                                      /*unset_means_auto=*/false, [&] { return sm90_tf32_backward_refusal(p); },
+                                      &use_sm90);
+        !err.empty()) {
+      return err;
+    }
+    const f32::DkdvLauncher tf32_dkdv = use_sm90 ? sm90_tf32_dkdv(p) : nullptr;
     return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
-      return f32::launch_backward<decltype(dim)::value>(p, stream);
+      return f32::launch_backward<decltype(dim)::value>(p, stream, tf32_dkdv);
     });
   }
   bool use_sm90 = false;

@@ -16,9 +16,11 @@ template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
 // Likewise, except that head dims above 128 run the exact backward in both modes (the TF32 one keeps two
-// 16 x head_dim accumulators per warp in registers).
+// 16 x head_dim accumulators per warp in registers). tf32_dkdv, where given (a TF32 call of the common variant),
+// runs the dK/dV pass instead of this family's TF32 kernel (dispatch.cu: the Hopper one).
+using DkdvLauncher = std::string (*)(const AttentionBackwardParams&, cudaStream_t);
 
 template <int kHeadDim>
-std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream, DkdvLauncher tf32_dkdv = nullptr);
 
 }  // namespace jax_flash::cuda::f32

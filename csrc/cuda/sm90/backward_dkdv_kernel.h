@@ -20,7 +20,8 @@
 // chunk of the tile-major dq_accum with one bulk reduction (dq_staging.h), so the consumers issue no global
 // atomics. Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
 // At d=256 (DkdvSplitTraits) the same producer and kernel entry drive the split-head-dim consumers of
-// backward_dkdv_split_consumer.h instead (no fused dQ there).
+// backward_dkdv_split_consumer.h instead (no fused dQ there), and for float32 inputs (Tf32DkdvTraits) the TF32
+// consumers of backward_dkdv_tf32_consumer.h.
 #pragma once
 
 #include <climits>
@@ -36,6 +37,7 @@
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
 #include "backward_dkdv_split_consumer.h"
+#include "backward_dkdv_tf32_consumer.h"
 #include "backward_key_block.h"
 #include "backward_mask_walk.h"
 #include "backward_traits.h"
@@ -377,6 +379,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(!(kFusedDq && Traits::kSplitHeadDim), "the split-head-dim form has no fused dQ");
   static_assert(!(kForm != BackwardForm::kCommon && Traits::kSplitHeadDim),
                 "the split-head-dim form has no transforms or masked form");
+  static_assert(!Traits::kTf32 || (kForm == BackwardForm::kCommon && !kFusedDq),
+                "the TF32 form has no transforms, masked or fused-dQ form");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
@@ -433,6 +437,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     if constexpr (Traits::kSplitHeadDim) {
       consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    } else if constexpr (Traits::kTf32) {
+      consume_query_tiles_tf32<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     } else {
       consume_query_tiles<Traits, kForm, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     }

@@ -44,22 +44,24 @@ __device__ KeyBlock locate_key_block(const AttentionParams& p) {
   return kb;
 }
 
-// Stores rows [row_begin, row_end) of a [kBlockN, kHeadDim] tile staged in `staged` (16-byte chunks; head_dim
-// is a multiple of 8 on this path), or zeros when staged is null.
+// Stores rows [row_begin, row_end) of a [kBlockN, kHeadDim] tile of Traits::OutElement staged in `staged`
+// (16-byte chunks; head_dim is a multiple of a chunk on this path: 8 bf16/fp16, 4 float32), or zeros when staged
+// is null.
 template <class Traits, class Staged>
 __device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out, Staged const* staged,
                                int row_begin, int row_end, int thread, int threads) {
-  using T = typename Traits::Element;
+  using T = typename Traits::OutElement;
+  constexpr int kChunk = 16 / int(sizeof(T));
   const sm80::BshdShape kv_shape = sm80::key_shape(p);
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
+  constexpr int kChunksPerRow = Traits::kHeadDim / kChunk;
+  const int chunks_in_bounds = static_cast<int>(p.head_dim / kChunk);
   const int rows = min(row_end, kb.keys_in_bounds) - row_begin;
   for (int i = thread; i < rows * kChunksPerRow; i += threads) {
     const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
     if (chunk < chunks_in_bounds) {
-      T* dst = static_cast<T*>(out) + kv_shape.offset(kb.batch, kb.n0 + row, kb.head_kv) + chunk * 8;
+      T* dst = static_cast<T*>(out) + kv_shape.offset(kb.batch, kb.n0 + row, kb.head_kv) + chunk * kChunk;
       *reinterpret_cast<uint4*>(dst) =
-          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
+          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * kChunk)) : make_uint4(0, 0, 0, 0);
     }
   }
 }

@@ -37,10 +37,10 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};
 }
 
-template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq>
-std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
+// The dK/dV kernel of traits Traits (one CTA per key tile and KV head).
+template <class Traits, BackwardForm kForm, bool kFusedDq>
+std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
   using namespace cute;
-  using Traits = DkdvTraitsFor<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
@@ -53,7 +53,12 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   }
   if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  return sm80::last_launch_error("sm90 dK/dV kernel launch");
+  return sm80::last_launch_error(what);
+}
+
+template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq>
+std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
+  return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
 }
 
 template <int kHeadDim, class Element, BackwardForm kForm>
@@ -73,6 +78,14 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error("sm90 dQ kernel launch");
+}
+
+// The TF32 dK/dV pass of a float32 call (Tf32DkdvTraits, the common form); f32/launch.h runs the rest of the
+// backward (softmax_d before it, the TF32 dQ pass after it).
+template <int kHeadDim>
+std::string launch_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
+  return launch_dkdv_kernel<Tf32DkdvTraits<kHeadDim>, BackwardForm::kCommon, false>(p, stream,
+                                                                                  "sm90 TF32 dK/dV kernel launch");
 }
 
 // The GEMM passes of one call in kernel form kForm (backward_form.h): with fused_dq, the dK/dV pass that also

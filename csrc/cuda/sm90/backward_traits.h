@@ -85,6 +85,8 @@ constexpr auto transposed_stages(SmemLayout layout) {
 template <int kHeadDim_, class Element_>
 struct DkdvTraits {
   using Element = Element_;
+  using OutElement = Element;  // dK, dV
+  static constexpr bool kTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -184,6 +186,8 @@ struct DkdvTraits {
 template <int kHeadDim_, class Element_>
 struct DkdvSplitTraits {
   using Element = Element_;
+  using OutElement = Element;
+  static constexpr bool kTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static_assert(kTile.split_head_dim, "use DkdvTraits");
@@ -242,6 +246,91 @@ struct DkdvSplitTraits {
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024);
+
+  using GmemTensor = typename BshdGmem<Element>::Tensor_;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+};
+
+// The TF32 dK/dV kernel (float32 inputs, backward_dkdv_tf32_consumer.h; an experiment, JAX_FLASH_CUDA_KERNEL_F32_
+// BACKWARD): WGMMA takes 32-bit operands from shared memory only K-major, so the bf16 kernel's dV += P^T dO and
+// dK += dS^T Q (B = dO, Q: MN-major) cannot run as they are. Instead each consumer warpgroup (64 keys, as there)
+// computes S^T and dP^T as before, stores P^T and dS^T into its half of two [keys, queries] tiles (queries
+// contiguous: K-major B operands), and accumulates the transposes
+//     dV^T += dO^T P,   dK^T += Q^T dS      (M = head dim, N = its 64 keys, K = queries)
+// with the A operands dO^T and Q^T loaded into registers from the ordinary Q / dO stages (a register operand has
+// no major-ness). Shared memory at d=128: K, V 128 KiB, two 32-query Q/dO stages 64 KiB, P^T and dS^T 32 KiB.
+// Registers per consumer thread: S^T, dP^T block_m / 2 each, dV^T and dK^T head_dim / 2 each, plus one A operand
+// (head_dim x block_m / 128) at a time.
+constexpr BackwardTile tf32_dkdv_tile(int head_dim) {
+  return head_dim <= 64 ? BackwardTile{64, 128, 2}    // 64 + 64 + 64 KiB; 32 + 32 + 32 + 32 (+ 32) floats
+                        : BackwardTile{32, 128, 2};   // 128 + 64 + 32 KiB; 16 + 16 + 64 + 64 (+ 32) floats
+}
+
+template <int kHeadDim_>
+struct Tf32DkdvTraits {
+  using Element = cutlass::tfloat32_t;  // float32 bits; the tensor cores read the TF32 part
+  using OutElement = float;
+  static constexpr bool kTf32 = true;
+  static constexpr bool kSplitHeadDim = false;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr BackwardTile kTile = tf32_dkdv_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumerGroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = kConsumerGroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && kBlockN == 128);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
+
+  using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along keys
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      GroupLayout{}));
+  // One warpgroup's dV^T / dK^T: A (head dim x queries) from registers, B its keys' P / dS (keys x queries) K-major.
+  using TiledMmaDkvT = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kHeadDim>, _64, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::K>()));
+
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also stages dK, dV
+  using SmemLayoutKVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));  // (d, key)
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
+  using SmemLayoutQt = decltype(transposed_stages(SmemLayoutQ{}));  // (d, query, stage): the A operands' source
+  // P^T and dS^T as (key, query), queries contiguous: the K-major B operands of dV^T and dK^T.
+  using SmemLayoutScoresT = decltype(tile_to_shape(k_major_smem_atom<Element, kBlockM>(),
+                                                   Shape<Int<kBlockN>, Int<kBlockM>>{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using StatsPipeline = cutlass::PipelineAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> probs;        // P^T
+    cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> score_grads;  // dS^T
+    float lse_log2[kStages][kBlockM];
+    float softmax_d[kStages][kBlockM];
+    int stage_item[kStages];                  // masked form only (not built for TF32)
+    const bool* stage_mask_tile[kStages];
+    typename Pipeline::SharedStorage pipeline_qdo;
+    typename StatsPipeline::SharedStorage pipeline_stats;
+    alignas(8) uint64_t kv_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);

@@ -1,0 +1,138 @@
+// Hopper backward, dK/dV pass for float32 inputs on TF32 tensor cores: the consumer side of Tf32DkdvTraits (the
+// producer warpgroup and the kernel entry are backward_dkdv_kernel.h's; the common form only). Per item, consumer
+// warpgroup g (keys 64 g .. 64 g + 63 of the CTA):
+//      S^T = K Q^T, dP^T = V dO^T                      (SS WGMMA, both operands K-major, as the 16-bit kernel)
+//      P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)     (registers; masks only on boundary tiles)
+//      P^T -> its rows of a shared [keys, queries] tile, barrier, dV^T += dO^T P
+//      dS^T -> its rows of a second one, barrier,      dK^T += Q^T dS
+// The last two are RS WGMMAs with M = head dim, N = its 64 keys, K = the item's queries: the A operands dO^T and
+// Q^T go from the item's Q / dO stage into registers (loads through the transposed view; a register operand has no
+// major-ness, while a shared 32-bit one must be K-major, which dO and Q are not along the queries), the B operands
+// P and dS are K-major as stored. Only this warpgroup reads its rows of P^T / dS^T, so its barriers are its own.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "../../common/attention_params.h"
+#include "../../common/score_pipeline.h"
+#include "../common/block_range.h"
+#include "../sm80/fragments.h"
+#include "backward_key_block.h"
+#include "backward_traits.h"
+#include "fragments.h"
+#include "transposed_scores.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Named barriers of the TF32 consumers, one set per warpgroup g (ids kTf32Barriers + 3 g + i; id 0 is
+// __syncthreads): its P^T and dS^T rows are free (the previous item's GEMMs, all four warps' parts, read them),
+// its P^T is stored, its dS^T is stored.
+constexpr int kTf32Barriers = 1;
+constexpr int kTf32ScoresFree = 0, kTf32ProbsStored = 1, kTf32ScoreGradsStored = 2;
+
+template <class Traits>
+__device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackwardParams& p, const KeyBlock& kb,
+                                                        typename Traits::SharedStorage& smem,
+                                                        typename Traits::Pipeline& pipeline_qdo,
+                                                        typename Traits::StatsPipeline& pipeline_stats, int group) {
+  using namespace cute;
+  using T = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int thread = threadIdx.x - 128;  // among all consumer threads: S^T and dP^T span both warpgroups' keys
+  const int wg_thread = thread % 128;    // within the warpgroup: dV^T and dK^T are its own MMAs
+  auto barrier = [&](int which) { named_barrier_sync(kTf32Barriers + 3 * group + which, 128); };
+
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});   // (key, d)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});    // (query, d, stage)
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});  // (d, query, stage)
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQt{});
+  Tensor sP = make_tensor(make_smem_ptr(smem.probs.data()), typename Traits::SmemLayoutScoresT{});  // (key, query)
+  Tensor sdS = make_tensor(make_smem_ptr(smem.score_grads.data()), typename Traits::SmemLayoutScoresT{});
+  Tensor sP_mine = local_tile(sP, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0));
+  Tensor sdS_mine = local_tile(sdS, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0));
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaDkvT mma_dkvt;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread);
+  auto thr_dkvt = mma_dkvt.get_thread_slice(wg_thread);
+  Tensor frag_k = thr_sdp.partition_fragment_A(sK);  // smem descriptors
+  Tensor frag_v = thr_sdp.partition_fragment_A(sV);
+  Tensor frag_q = thr_sdp.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_do = thr_sdp.partition_fragment_B(sdO);
+  Tensor frag_p = thr_dkvt.partition_fragment_B(sP_mine);  // descriptors of this warpgroup's rows
+  Tensor frag_ds = thr_dkvt.partition_fragment_B(sdS_mine);
+  // dO^T and Q^T: this thread's A values of a stage (smem view) and the registers they go to.
+  Tensor smem_dot = thr_dkvt.partition_A(sdOt);  // (MMA, MMA_M, MMA_K, stage)
+  Tensor smem_qt = thr_dkvt.partition_A(sQt);
+  Tensor regs_a = thr_dkvt.partition_fragment_A(sdOt(_, _, 0));  // (MMA, MMA_M, MMA_K), reused for both
+
+  Tensor acc_dvt = partition_fragment_C(mma_dkvt, Shape<Int<kHeadDim>, _64>{});
+  Tensor acc_dkt = partition_fragment_C(mma_dkvt, Shape<Int<kHeadDim>, _64>{});
+  clear(acc_dvt);
+  clear(acc_dkt);
+  Tensor coords = sm80::as_rows_cols(
+      sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
+  const float scale_log2 = p.softmax_scale * sm80::kLog2e;
+
+  cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
+  typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
+  for (int item = 0; item < kb.items; ++item) {
+    const int stage = read.index();
+    const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    pipeline_qdo.consumer_wait(read);
+    issue_wgmma<true>(mma_sdp, frag_k, frag_q(_, _, _, stage), acc_s);
+    issue_wgmma<true>(mma_sdp, frag_v, frag_do(_, _, _, stage), acc_dp);
+    pipeline_stats.consumer_wait(read);
+    auto scores = sm80::as_rows_cols(sm80_view(acc_s));
+    auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
+    warpgroup_wait<1>();  // S^T is ready; dP^T may still run
+    warpgroup_fence_operand(acc_s);
+    if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+      mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
+    }
+    transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
+    barrier(kTf32ScoresFree);  // the previous item's dV^T / dK^T GEMMs are done with P^T and dS^T
+    // P^T rounded to TF32 (the conversion), generic-proxy stores fenced before the WGMMA (async proxy) reads them.
+    copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP));
+    cutlass::arch::fence_view_async_shared();
+    copy(smem_dot(_, _, _, stage), regs_a);
+    barrier(kTf32ProbsStored);
+    issue_wgmma<false>(mma_dkvt, regs_a, frag_p, acc_dvt);
+
+    warpgroup_wait<1>();  // dP^T is ready (issued before dV^T's GEMM, which may still run)
+    warpgroup_fence_operand(acc_dp);
+    transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
+    pipeline_stats.consumer_release(read);
+    copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));
+    cutlass::arch::fence_view_async_shared();
+    warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
+    copy(smem_qt(_, _, _, stage), regs_a);
+    barrier(kTf32ScoreGradsStored);
+    issue_wgmma<false>(mma_dkvt, regs_a, frag_ds, acc_dkt);
+    warpgroup_wait<0>();  // dK^T read this stage's Q: retired before the stage goes back
+    pipeline_qdo.consumer_release(read);
+    ++read;
+  }
+
+  // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
+  // of K and V (S^T, dP^T; all retired), so it stages its dV and dK there, as float32 (the Element view would
+  // round), through the transposed view: the accumulators are (d, key).
+  Tensor sK_out = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.k.data())), typename Traits::SmemLayoutKV{});
+  Tensor sV_out = make_tensor(make_smem_ptr(reinterpret_cast<float*>(smem.v.data())), typename Traits::SmemLayoutKV{});
+  Tensor sKt_out = make_tensor(sK_out.data(), typename Traits::SmemLayoutKVt{});
+  Tensor sVt_out = make_tensor(sV_out.data(), typename Traits::SmemLayoutKVt{});
+  copy(acc_dvt, thr_dkvt.partition_C(local_tile(sVt_out, Shape<Int<kHeadDim>, _64>{}, make_coord(0, group))));
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dkt); ++i) acc_dkt(i) *= p.softmax_scale;
+  copy(acc_dkt, thr_dkvt.partition_C(local_tile(sKt_out, Shape<Int<kHeadDim>, _64>{}, make_coord(0, group))));
+  barrier(kTf32ScoresFree);
+  const int rows_begin = group * 64;
+  store_key_rows<Traits>(p, kb, p.dk, &sK_out, rows_begin, rows_begin + 64, wg_thread, 128);
+  store_key_rows<Traits>(p, kb, p.dv, &sV_out, rows_begin, rows_begin + 64, wg_thread, 128);
+}
+
+}  // namespace jax_flash::cuda::sm90
