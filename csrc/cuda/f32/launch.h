@@ -72,7 +72,8 @@ std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorize
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, G::kBlock), p.heads_kv, p.batch, &grid); !err.empty())
     return err;
-  if (tf32_dkdv != nullptr && !general) {
+  if (tf32_dkdv != nullptr) {  // dispatch.cu hands it over for common-variant calls only
+    if (general) return "internal error: the sm90 TF32 dK/dV kernel was chosen for a call of the general variant";
     if (std::string err = tf32_dkdv(p, stream); !err.empty()) return err;
   } else if (grid > 0) {
     dkdv<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
@@ -110,6 +111,7 @@ std::string launch_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bo
   if constexpr (kHeadDim <= 128) {
     if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, tf32_dkdv, stream);
   }
+  if (tf32_dkdv != nullptr) return "internal error: the sm90 TF32 dK/dV kernel was chosen for an exact or wide call";
 
   constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
   auto dkdv = general ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;

@@ -24,11 +24,21 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barriers of the TF32 consumers, one set per warpgroup g (ids kTf32Barriers + 3 g + i; id 0 is
-// __syncthreads): its P^T and dS^T rows are free (the previous item's GEMMs, all four warps' parts, read them),
-// its P^T is stored, its dS^T is stored.
+// Named barriers of the TF32 consumers (id 0 is __syncthreads), one set per warpgroup g (ids kTf32Barriers + 3 g + i):
+// its P^T and dS^T rows are free (the previous item's GEMMs, all four warps' parts, read them), its P^T is stored,
+// its dS^T is stored; and one of both warpgroups, kTf32KVRounded.
 constexpr int kTf32Barriers = 1;
 constexpr int kTf32ScoresFree = 0, kTf32ProbsStored = 1, kTf32ScoreGradsStored = 2;
+constexpr int kTf32KVRounded = 7;  // both warpgroups: K and V are rounded in place
+
+// Rounds a register operand of TF32 bit patterns (copied raw from float32 tiles) to nearest in place.
+template <class Registers>
+__device__ __forceinline__ void round_tf32_registers(Registers& regs) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(regs); ++i) {
+    regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(float(regs(i)))));
+  }
+}
 
 template <class Traits>
 __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackwardParams& p, const KeyBlock& kb,
@@ -77,6 +87,17 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
+  // K and V stay for the CTA's life: rounded to nearest once here (the tensor cores would truncate them, as they
+  // do the streamed Q and dO of S^T and dP^T; the A operands below are rounded in registers).
+  {
+    float* kv[] = {reinterpret_cast<float*>(smem.k.data()), reinterpret_cast<float*>(smem.v.data())};
+    constexpr int kElems = int(cosize_v<typename Traits::SmemLayoutKV>);
+    for (float* tile : kv) {
+      for (int i = thread; i < kElems; i += Traits::kConsumerThreads) tile[i] = round_to_tf32(tile[i]);
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the WGMMAs (async proxy) read them
+    named_barrier_sync(kTf32KVRounded, Traits::kConsumerThreads);
+  }
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   for (int item = 0; item < kb.items; ++item) {
     const int stage = read.index();
@@ -100,6 +121,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP));
     cutlass::arch::fence_view_async_shared();
     copy(smem_dot(_, _, _, stage), regs_a);
+    round_tf32_registers(regs_a);
     barrier(kTf32ProbsStored);
     issue_wgmma<false>(mma_dkvt, regs_a, frag_p, acc_dvt);
 
@@ -111,6 +133,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     cutlass::arch::fence_view_async_shared();
     warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
     copy(smem_qt(_, _, _, stage), regs_a);
+    round_tf32_registers(regs_a);
     barrier(kTf32ScoreGradsStored);
     issue_wgmma<false>(mma_dkvt, regs_a, frag_ds, acc_dkt);
     warpgroup_wait<0>();  // dK^T read this stage's Q: retired before the stage goes back

@@ -1,5 +1,5 @@
-// The keys one CTA of the Hopper dK/dV pass owns (both of its forms: backward_dkdv_kernel.h and
-// backward_dkdv_split_consumer.h), the (query head, query tile) items it visits, and the store of its dK/dV rows.
+// The keys one CTA of the Hopper dK/dV pass owns (every consumer form: backward_dkdv_kernel.h,
+// backward_dkdv_split_consumer.h, backward_dkdv_tf32_consumer.h), the (query head, query tile) items it visits, and the store of its dK/dV rows.
 #pragma once
 
 #include <cstdint>

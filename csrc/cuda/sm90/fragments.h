@@ -47,6 +47,14 @@ __device__ constexpr auto accumulator_as_tf32_operand_a(AccLayout acc) {
                      coalesce(make_layout(get<0, 2>(acc), get<2>(acc))));
 }
 
+// Rounds to TF32 (10 mantissa bits, to nearest, ties away: cvt.rna). The tensor cores would truncate the low bits
+// of a float32 operand instead, a bias toward zero that sums up over long reductions.
+__device__ __forceinline__ float round_to_tf32(float x) {
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+  return __uint_as_float(bits);
+}
+
 // Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
 // warpgroup_wait<N>() (N = batches allowed to stay in flight). kZeroInit overwrites acc instead of adding.
 template <bool kZeroInit, class TiledMma, class A, class B, class Acc>

@@ -13,6 +13,7 @@
 
 #include "../../common/attention_params.h"
 #include "../../common/tf32_workspace.h"
+#include "fragments.h"  // round_to_tf32
 
 namespace jax_flash::cuda::sm90 {
 
@@ -23,12 +24,6 @@ constexpr int kTransposeRows = 8;   // warps per CTA: each thread moves 32 / 8 e
 __device__ __forceinline__ int tf32_chunk_key(int pos) {
   const int in_chunk = pos % 8;
   return pos - in_chunk + (in_chunk < 4 ? 2 * in_chunk : 2 * (in_chunk - 4) + 1);
-}
-
-__device__ __forceinline__ float round_to_tf32(float x) {
-  uint32_t bits;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-  return __uint_as_float(bits);
 }
 
 // CTA c covers key tile c % key_tiles, head-dim tile (c / key_tiles) % dim_tiles of slice c / (key_tiles *
