@@ -176,6 +176,23 @@ struct DkdvTraits {
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
+// Shared memory of the dK/dV kernels whose consumers pass P^T and dS^T through shared memory (the split-head-dim
+// and TF32 forms; common form only, so no masked-form fields).
+template <class Element, class SmemLayoutKV, class SmemLayoutQ, class SmemLayoutScores, int kStages, int kBlockM>
+struct ScoresInSmemStorage {
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+  cute::array_aligned<Element, cosize_v<SmemLayoutScores>, 1024> probs;        // P^T
+  cute::array_aligned<Element, cosize_v<SmemLayoutScores>, 1024> score_grads;  // dS^T
+  float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
+  float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
+  typename cutlass::PipelineTmaAsync<kStages>::SharedStorage pipeline_qdo;
+  typename cutlass::PipelineAsync<kStages>::SharedStorage pipeline_stats;
+  alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+};
+
 // The split-head-dim dK/dV kernel (d=256, backward_dkdv_split_consumer.h): both consumer warpgroups share the CTA's
 // kBlockN = 64 keys. Per query tile, warpgroup g computes S^T and dP^T for its half of the block_m queries, forms
 // P^T and dS^T, and stores them into shared memory; after a barrier both use the whole tiles as SS operands of
@@ -234,19 +251,7 @@ struct DkdvSplitTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> probs;        // P^T
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> score_grads;  // dS^T
-    float lse_log2[kStages][kBlockM];   // +inf for rows without a visible key (and rows past seqlen_q)
-    float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
-    typename Pipeline::SharedStorage pipeline_qdo;
-    typename StatsPipeline::SharedStorage pipeline_stats;
-    alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
-  };
+  using SharedStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS, kStages, kBlockM>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -317,21 +322,7 @@ struct Tf32DkdvTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
-    cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> probs;        // P^T
-    cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> score_grads;  // dS^T
-    float lse_log2[kStages][kBlockM];
-    float softmax_d[kStages][kBlockM];
-    int stage_item[kStages];                  // masked form only (not built for TF32)
-    const bool* stage_mask_tile[kStages];
-    typename Pipeline::SharedStorage pipeline_qdo;
-    typename StatsPipeline::SharedStorage pipeline_stats;
-    alignas(8) uint64_t kv_full;
-  };
+  using SharedStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutScoresT, kStages, kBlockM>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
