@@ -894,10 +894,10 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
                                                       dropout_rng=jax.random.key(0)))
 
 
-# The TF32 backward's dK/dV pass on the Hopper kernel (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90, read at every call;
-# unset runs the mma.sync one): forcing it fails loudly where it cannot run a call, so a pass shows that it computed
-# these gradients (dQ still comes from the mma.sync TF32 pass). Windows, seqlens and segment ids are SliceMask
-# positions, which its common form applies like the 16-bit kernel's.
+# The TF32 backward on the Hopper kernels (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90, read at every call; unset runs
+# the mma.sync ones): forcing them fails loudly where they cannot run a call, so a pass shows that they computed
+# these gradients (dK/dV and dQ passes). Windows, seqlens and segment ids are SliceMask positions, which their
+# common form applies like the 16-bit kernels'.
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
 @pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
                                                    ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
@@ -920,7 +920,7 @@ def test_float32_tf32_backward_kernel_switch(monkeypatch):
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "fast")
     with pytest.raises(Exception, match="JAX_FLASH_CUDA_KERNEL_F32_BACKWARD must be sm80, sm90 or auto"):
         jax.block_until_ready(grads(q, k, v, d_o, float32_precision="tf32"))
-    if _is_hopper():  # a feature the Hopper TF32 dK/dV kernel does not have: forcing it is an error, not a fallback
+    if _is_hopper():  # a feature the Hopper TF32 backward does not have: forcing it is an error, not a fallback
         monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
         with pytest.raises(Exception, match="run on the float32 kernels only"):
             jax.block_until_ready(grads(q, k, v, d_o, float32_precision="tf32", softcap=5.0))

@@ -246,11 +246,12 @@ std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream)
   return "internal error: no sm90 TF32 kernel for head dim " + std::to_string(p.head_dim);
 }
 
-// ---- float32 backward: the float32 kernels (f32/), whose TF32 dK/dV pass the Hopper TF32 one (sm90::launch_tf32_dkdv,
-// backward_dkdv_tf32_consumer.h) replaces where JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90 or auto asks for it and it can
-// run the call; unset means sm80 for now (an experiment, not yet run on a GPU).
+// ---- float32 backward: the float32 kernels (f32/), whose TF32 dK/dV and dQ passes the Hopper TF32 ones
+// (sm90::launch_tf32_dkdv / launch_tf32_dq, backward_dkdv_tf32_consumer.h / backward_dq_tf32_consumer.h) replace where
+// JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90 or auto asks for them and they can run the call; unset means sm80 for now
+// (an experiment, not yet run on a GPU).
 
-// Empty when the sm90 TF32 dK/dV pass can run this float32 call, else why not.
+// Empty when the sm90 TF32 backward passes can run this float32 call, else why not.
 std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
   if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernels";
   if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr || p.softcap > 0.0f ||
@@ -271,13 +272,13 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
   return {};
 }
 
-f32::DkdvLauncher sm90_tf32_dkdv(const AttentionBackwardParams& p) {
+f32::Tf32Passes sm90_tf32_passes(const AttentionBackwardParams& p) {
   if (tf32_vt_head_dim(p.head_dim) == 64) {
-    if constexpr (contains(kSm90HeadDims, 64)) return &sm90::launch_tf32_dkdv<64>;
+    if constexpr (contains(kSm90HeadDims, 64)) return {&sm90::launch_tf32_dkdv<64>, &sm90::launch_tf32_dq<64>};
   } else {
-    if constexpr (contains(kSm90HeadDims, 128)) return &sm90::launch_tf32_dkdv<128>;
+    if constexpr (contains(kSm90HeadDims, 128)) return {&sm90::launch_tf32_dkdv<128>, &sm90::launch_tf32_dq<128>};
   }
-  return nullptr;
+  return {};
 }
 
 // Empty when the sm90 backward can run this call, else why not.
@@ -379,15 +380,15 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
   if (p.element_type == ElementType::kFloat32) {
     bool use_sm90 = false;
-    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90 TF32 dK/dV kernel",
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90 TF32 backward",
                                       /*unset_means_auto=*/false, [&] { return sm90_tf32_backward_refusal(p); },
                                       &use_sm90);
         !err.empty()) {
       return err;
     }
-    const f32::DkdvLauncher tf32_dkdv = use_sm90 ? sm90_tf32_dkdv(p) : nullptr;
+    const f32::Tf32Passes hopper = use_sm90 ? sm90_tf32_passes(p) : f32::Tf32Passes{};
     return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
-      return f32::launch_backward<decltype(dim)::value>(p, stream, tf32_dkdv);
+      return f32::launch_backward<decltype(dim)::value>(p, stream, hopper);
     });
   }
   bool use_sm90 = false;

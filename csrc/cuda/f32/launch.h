@@ -64,7 +64,7 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
 
 template <int kHeadDim>
 std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general,
-                                DbiasMode dbias_mode, DkdvLauncher tf32_dkdv, cudaStream_t stream) {
+                                DbiasMode dbias_mode, Tf32Passes hopper, cudaStream_t stream) {
   using G = Tf32BackwardGeometry<kHeadDim>;
   if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
   auto dkdv = general ? tf32_dkdv_kernel<kHeadDim, true> : tf32_dkdv_kernel<kHeadDim, false>;
@@ -72,10 +72,12 @@ std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorize
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, G::kBlock), p.heads_kv, p.batch, &grid); !err.empty())
     return err;
-  if (tf32_dkdv != nullptr) {  // dispatch.cu hands it over for common-variant calls only
-    if (general) return "internal error: the sm90 TF32 dK/dV kernel was chosen for a call of the general variant";
-    if (std::string err = tf32_dkdv(p, stream); !err.empty()) return err;
-  } else if (grid > 0) {
+  if (hopper.given()) {  // dispatch.cu hands them over for common-variant calls only
+    if (general) return "internal error: the sm90 TF32 kernels were chosen for a call of the general variant";
+    if (std::string err = hopper.dkdv(p, stream); !err.empty()) return err;
+    return hopper.dq(p, stream);
+  }
+  if (grid > 0) {
     dkdv<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
     if (std::string err = sm80::last_launch_error("float32 (TF32) dK/dV kernel launch"); !err.empty()) return err;
   }
@@ -107,11 +109,11 @@ std::string launch_dbias(const AttentionBackwardParams& p, bool vectorized, Dbia
 
 template <int kHeadDim>
 std::string launch_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general, DbiasMode dbias_mode,
-                           DkdvLauncher tf32_dkdv, cudaStream_t stream) {
+                           Tf32Passes hopper, cudaStream_t stream) {
   if constexpr (kHeadDim <= 128) {
-    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, tf32_dkdv, stream);
+    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, hopper, stream);
   }
-  if (tf32_dkdv != nullptr) return "internal error: the sm90 TF32 dK/dV kernel was chosen for an exact or wide call";
+  if (hopper.given()) return "internal error: the sm90 TF32 kernels were chosen for an exact or wide call";
 
   constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
   auto dkdv = general ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;
@@ -135,7 +137,7 @@ std::string launch_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bo
 }
 
 template <int kHeadDim>
-std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream, DkdvLauncher tf32_dkdv) {
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream, Tf32Passes hopper) {
   if (std::string err = check_smem(std::max(DkdvGeometry<kHeadDim>::kBytes, DqSmem<kHeadDim>::kBytes), kHeadDim);
       !err.empty())
     return err;
@@ -149,7 +151,7 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   }
   const bool general = needs_general_variant(p);
   const DbiasPlan dbias = plan_dbias(p);
-  if (std::string err = launch_dkdv_dq<kHeadDim>(p, vectorized, general, dbias.dq_mode, tf32_dkdv, stream);
+  if (std::string err = launch_dkdv_dq<kHeadDim>(p, vectorized, general, dbias.dq_mode, hopper, stream);
       !err.empty())
     return err;
   if (dbias.separate_kernel && p.seqlen_q > 0 && p.seqlen_k > 0)

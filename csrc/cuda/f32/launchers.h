@@ -16,11 +16,16 @@ template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
 // Likewise, except that head dims above 128 run the exact backward in both modes (the TF32 one keeps two
-// 16 x head_dim accumulators per warp in registers). tf32_dkdv, where given (a TF32 call of the common variant),
-// runs the dK/dV pass instead of this family's TF32 kernel (dispatch.cu: the Hopper one).
-using DkdvLauncher = std::string (*)(const AttentionBackwardParams&, cudaStream_t);
+// 16 x head_dim accumulators per warp in registers). `hopper`, where given (a TF32 call of the common variant),
+// runs the dK/dV and dQ passes instead of this family's TF32 kernels (dispatch.cu: the Hopper ones).
+using PassLauncher = std::string (*)(const AttentionBackwardParams&, cudaStream_t);
+struct Tf32Passes {
+  PassLauncher dkdv = nullptr;
+  PassLauncher dq = nullptr;
+  bool given() const { return dkdv != nullptr; }
+};
 
 template <int kHeadDim>
-std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream, DkdvLauncher tf32_dkdv = nullptr);
+std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream, Tf32Passes hopper = {});
 
 }  // namespace jax_flash::cuda::f32

@@ -9,6 +9,7 @@
 //    masked_scores.h, and skips the key tiles it hides entirely, backward_mask_walk.h; backward_form.h),
 //    then dQ += dS K by WGMMA with dS from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs
 //    while tile n+1's S and dP are issued; tile n's K/V stage is handed back once both have retired.
+// For float32 inputs (Tf32DqTraits) the same producer and entry drive backward_dq_tf32_consumer.h's consumers.
 #pragma once
 
 #include <cmath>
@@ -25,6 +26,8 @@
 #include "../sm80/tensor_offsets.h"
 #include "backward_traits.h"
 #include "backward_mask_walk.h"
+#include "backward_query_rows.h"
+#include "backward_dq_tf32_consumer.h"
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
 #include "masked_scores.h"
@@ -34,25 +37,6 @@ namespace jax_flash::cuda::sm90 {
 
 // Named barrier of consumer g's epilogue: kDqEpilogueBarrier + g.
 constexpr int kDqEpilogueBarrier = 1;
-
-// Stores rows [row_begin, row_end) of the [kBlockM, kHeadDim] dQ tile staged in `staged`, or zeros when null.
-template <class Traits, class Staged>
-__device__ void store_query_rows(const AttentionBackwardParams& p, const RowBlock& rb, Staged const* staged,
-                                 int row_begin, int row_end, int thread, int threads) {
-  using T = typename Traits::Element;
-  const sm80::BshdShape q_shape = sm80::query_shape(p);
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  const int chunks_in_bounds = static_cast<int>(p.head_dim / 8);
-  const int rows = min(row_end, rb.rows_in_bounds) - row_begin;
-  for (int i = thread; i < rows * kChunksPerRow; i += threads) {
-    const int row = row_begin + i / kChunksPerRow, chunk = i % kChunksPerRow;
-    if (chunk < chunks_in_bounds) {
-      T* dst = static_cast<T*>(p.dq) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * 8;
-      *reinterpret_cast<uint4*>(dst) =
-          staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * 8)) : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
 
 // Producer thread: Q and dO once, then K and V of every visible key tile, last to first.
 template <class Traits, BackwardForm kForm>
@@ -246,7 +230,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x == 0) produce_dq_tiles<Traits, kForm>(args, rb, smem, pipeline_kv);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume_key_tiles<Traits, kForm>(p, rb, smem, pipeline_kv, warp_group - 1);
+    if constexpr (Traits::kTf32) {
+      static_assert(kForm == BackwardForm::kCommon, "the TF32 dQ pass has the common form only");
+      consume_key_tiles_tf32<Traits>(p, rb, smem, pipeline_kv, warp_group - 1);
+    } else {
+      consume_key_tiles<Traits, kForm>(p, rb, smem, pipeline_kv, warp_group - 1);
+    }
   }
 }
 

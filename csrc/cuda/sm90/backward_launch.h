@@ -61,10 +61,10 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
 }
 
-template <int kHeadDim, class Element, BackwardForm kForm>
-std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
+// The dQ kernel of traits Traits (one CTA per query tile and head).
+template <class Traits, BackwardForm kForm>
+std::string launch_dq_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
   using namespace cute;
-  using Traits = DqTraits<kHeadDim, Element>;
   const BackwardArgs<Traits> args =
       backward_args<Traits, typename Traits::SmemLayoutQ, decltype(take<0, 2>(typename Traits::SmemLayoutKV{})),
                     Traits::kBlockM, Traits::kBlockN>(p);
@@ -77,15 +77,26 @@ std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
   }
   if (grid == 0) return {};
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  return sm80::last_launch_error("sm90 dQ kernel launch");
+  return sm80::last_launch_error(what);
 }
 
-// The TF32 dK/dV pass of a float32 call (Tf32DkdvTraits, the common form); f32/launch.h runs the rest of the
-// backward (softmax_d before it, the TF32 dQ pass after it).
+template <int kHeadDim, class Element, BackwardForm kForm>
+std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
+  return launch_dq_kernel<DqTraits<kHeadDim, Element>, kForm>(p, stream, "sm90 dQ kernel launch");
+}
+
+// The TF32 dK/dV pass of a float32 call (Tf32DkdvTraits, the common form); f32/launch.h runs the softmax_d pre-pass
+// before it and hands the dQ pass to launch_tf32_dq.
 template <int kHeadDim>
 std::string launch_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   return launch_dkdv_kernel<Tf32DkdvTraits<kHeadDim>, BackwardForm::kCommon, false>(p, stream,
                                                                                   "sm90 TF32 dK/dV kernel launch");
+}
+
+// The TF32 dQ pass of a float32 call (Tf32DqTraits, the common form), after the dK/dV pass.
+template <int kHeadDim>
+std::string launch_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
+  return launch_dq_kernel<Tf32DqTraits<kHeadDim>, BackwardForm::kCommon>(p, stream, "sm90 TF32 dQ kernel launch");
 }
 
 // The GEMM passes of one call in kernel form kForm (backward_form.h): with fused_dq, the dK/dV pass that also

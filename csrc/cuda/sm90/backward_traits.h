@@ -341,6 +341,8 @@ using DkdvTraitsFor = std::conditional_t<dkdv_tile(kHeadDim).split_head_dim, Dkd
 template <int kHeadDim_, class Element_>
 struct DqTraits {
   using Element = Element_;
+  using OutElement = Element;  // dQ
+  static constexpr bool kTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dq_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -394,6 +396,78 @@ struct DqTraits {
 };
 
 // Kernel arguments: the plain parameters plus the TMA descriptors (built on the host per call).
+// The TF32 dQ pass (float32 inputs, backward_dq_tf32_consumer.h; JAX_FLASH_CUDA_KERNEL_F32_BACKWARD with the TF32
+// dK/dV pass): dQ += dS K would take K as an MN-major B operand, so, as in Tf32DkdvTraits, each consumer warpgroup
+// (64 query rows) stores its dS into a [queries, keys] tile (keys contiguous) and accumulates the transpose
+//     dQ^T += K^T dS^T      (M = head dim, N = its 64 queries, K = the tile's keys)
+// with A = K^T loaded transposed from the K stage into registers. Q and dO stay resident; K and V stream.
+// Shared memory at d=128: Q, dO 128 KiB, two 32-key K/V stages 64 KiB, dS 16 KiB.
+constexpr BackwardTile tf32_dq_tile(int head_dim) {
+  return head_dim <= 64 ? BackwardTile{128, 64, 2}    // 64 + 64 + 32 KiB; S, dP 32 + 32, dQ^T 32, A 32 floats
+                        : BackwardTile{128, 32, 2};   // 128 + 64 + 16 KiB; 16 + 16, 64, A 32 floats
+}
+
+template <int kHeadDim_>
+struct Tf32DqTraits {
+  using Element = cutlass::tfloat32_t;
+  using OutElement = float;
+  static constexpr bool kTf32 = true;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr BackwardTile kTile = tf32_dq_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kConsumerGroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = kConsumerGroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && kBlockM == 128);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
+
+  using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along rows
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
+      GroupLayout{}));
+  // One warpgroup's dQ^T: A = K^T (head dim x keys) from registers, B = its rows' dS (queries x keys) K-major.
+  using TiledMmaDqT = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kHeadDim>, _64, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::K>()));
+
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // also dO; stages dQ
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, Step<_2, _1>{})));  // (d, query)
+  using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKt = decltype(transposed_stages(SmemLayoutKV{}));  // (d, key, stage): the A operand's source
+  using SmemLayoutDs = decltype(tile_to_shape(k_major_smem_atom<Element, kBlockN>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (query, key)
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // K and V tiles, one barrier per stage for both
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> score_grads;  // dS
+    typename Pipeline::SharedStorage pipeline_kv;
+    alignas(8) uint64_t q_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024);
+
+  using GmemTensor = typename BshdGmem<Element>::Tensor_;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+};
+
 template <class Traits>
 struct BackwardArgs {
   AttentionBackwardParams p;

@@ -21,9 +21,12 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
-// The TF32 dK/dV pass of a float32 backward (head dims 64 and 128, built with the TF32 forward); f32::launch_backward
-// runs it in place of its own when dispatch.cu hands it over (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD).
+// The TF32 dK/dV and dQ passes of a float32 backward (head dims 64 and 128, built with the TF32 forward);
+// f32::launch_backward runs them in place of its own when dispatch.cu hands them over
+// (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD).
 template <int kHeadDim>
 std::string launch_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
+template <int kHeadDim>
+std::string launch_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash::cuda::sm90

@@ -2,5 +2,5 @@
 #include "../launch.h"
 
 namespace jax_flash::cuda::f32 {
-template std::string launch_backward<192>(const AttentionBackwardParams&, cudaStream_t, DkdvLauncher);
+template std::string launch_backward<192>(const AttentionBackwardParams&, cudaStream_t, Tf32Passes);
 }  // namespace jax_flash::cuda::f32
