@@ -263,9 +263,9 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
-  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dk, p.dv};
+  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv};
   for (const void* ptr : operands) {
-    if (!aligned16(ptr)) return "q, k, v, dO, dk and dv must be 16-byte aligned";
+    if (!aligned16(ptr)) return "q, k, v, dO, dq, dk and dv must be 16-byte aligned";
   }
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";

@@ -31,12 +31,13 @@ constexpr int kTf32Barriers = 1;
 constexpr int kTf32ScoresFree = 0, kTf32ProbsStored = 1, kTf32ScoreGradsStored = 2;
 constexpr int kTf32KVRounded = 7;  // both warpgroups: K and V are rounded in place
 
-// Rounds a register operand of TF32 bit patterns (copied raw from float32 tiles) to nearest in place.
+// Rounds a register operand of TF32 bit patterns (copied raw from float32 tiles) to nearest in place. From the raw
+// bits: tfloat32_t's conversion to float clears the low 13 bits first, i.e. truncates.
 template <class Registers>
 __device__ __forceinline__ void round_tf32_registers(Registers& regs) {
   CUTE_UNROLL
   for (int i = 0; i < cute::size(regs); ++i) {
-    regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(float(regs(i)))));
+    regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(__uint_as_float(regs(i).raw()))));
   }
 }
 
@@ -116,7 +117,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
       mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
-    barrier(kTf32ScoresFree);  // the previous item's dV^T / dK^T GEMMs are done with P^T and dS^T
+    barrier(kTf32ScoresFree);  // every warp's wait<1> above retired the previous item's dV^T / dK^T: P^T, dS^T free
     // P^T rounded to TF32 (the conversion), generic-proxy stores fenced before the WGMMA (async proxy) reads them.
     copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP));
     cutlass::arch::fence_view_async_shared();
@@ -133,13 +134,17 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     cutlass::arch::fence_view_async_shared();
     warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
     copy(smem_qt(_, _, _, stage), regs_a);
+    // This thread's last read of the stage: S^T and dP^T have retired, dV^T and dK^T take dO^T / Q^T from registers.
+    pipeline_qdo.consumer_release(read);
     round_tf32_registers(regs_a);
     barrier(kTf32ScoreGradsStored);
+    // dK^T runs on under the next item's S^T and dP^T: that item's wait<1> (after issuing them; wgmma groups
+    // complete in order) retires it before regs_a, P^T or dS^T are written again.
     issue_wgmma<false>(mma_dkvt, regs_a, frag_ds, acc_dkt);
-    warpgroup_wait<0>();  // dK^T read this stage's Q: retired before the stage goes back
-    pipeline_qdo.consumer_release(read);
     ++read;
   }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_dkt);
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T. This warpgroup's GEMMs read only its own 64 rows
   // of K and V (S^T, dP^T; all retired), so it stages its dV and dK there, as float32 (the Element view would

@@ -81,7 +81,7 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the WGMMAs (async proxy) read them
     named_barrier_sync(kTf32DqRounded, Traits::kConsumerThreads);
   }
-  typename Traits::PipelineState read, previous;
+  typename Traits::PipelineState read;
   for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
     const int stage = read.index();
     const int64_t n0 = int64_t(n_block) * kBlockN;
@@ -91,7 +91,8 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     issue_wgmma<true>(mma_sdp, frag_q, frag_k(_, _, _, stage), acc_s);
     issue_wgmma<true>(mma_sdp, frag_do, frag_v(_, _, _, stage), acc_dp);
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ^T GEMM have retired
-    if (n_block != rb.key_tiles.end - 1) pipeline_kv.consumer_release(previous);
+    warpgroup_fence_operand(acc_s);
+    warpgroup_fence_operand(acc_dp);
 
     const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
     auto s_view = sm80_view(acc_s);
@@ -107,14 +108,15 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));  // dS rounded to TF32 by the conversion
     cutlass::arch::fence_view_async_shared();
     copy(smem_kt(_, _, _, stage), regs_kt);
+    // The stage's last reader in this thread: S and dP have retired, and dQ^T takes K^T from registers.
+    pipeline_kv.consumer_release(read);
     round_tf32_registers(regs_kt);
     barrier(kTf32DqScoreGradsStored);
     issue_wgmma<false>(mma_dqt, regs_kt, frag_ds, acc_dqt);
-    previous = read;
     ++read;
   }
   warpgroup_wait<0>();
-  pipeline_kv.consumer_release(previous);
+  warpgroup_fence_operand(acc_dqt);
 
   // Epilogue: dQ carries the softmax scale; staged as float32 in this warpgroup's own rows of Q (its S GEMMs read
   // only those, and have retired) through the transposed view, the accumulator being (d, query).

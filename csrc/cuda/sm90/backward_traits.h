@@ -395,7 +395,6 @@ struct DqTraits {
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
-// Kernel arguments: the plain parameters plus the TMA descriptors (built on the host per call).
 // The TF32 dQ pass (float32 inputs, backward_dq_tf32_consumer.h; JAX_FLASH_CUDA_KERNEL_F32_BACKWARD with the TF32
 // dK/dV pass): dQ += dS K would take K as an MN-major B operand, so, as in Tf32DkdvTraits, each consumer warpgroup
 // (64 query rows) stores its dS into a [queries, keys] tile (keys contiguous) and accumulates the transpose
@@ -468,6 +467,7 @@ struct Tf32DqTraits {
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
+// Kernel arguments: the plain parameters plus the TMA descriptors (built on the host per call).
 template <class Traits>
 struct BackwardArgs {
   AttentionBackwardParams p;
