@@ -65,6 +65,11 @@ std::string launch_forward(const AttentionParams& p, cudaStream_t stream) {
 template <int kHeadDim>
 std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general,
                                 DbiasMode dbias_mode, Tf32Passes hopper, cudaStream_t stream) {
+  if (hopper.given()) {  // dispatch.cu hands them over for common-variant calls only
+    if (general) return "internal error: the sm90 TF32 kernels were chosen for a call of the general variant";
+    if (std::string err = hopper.dkdv(p, stream); !err.empty()) return err;
+    return hopper.dq(p, stream);
+  }
   using G = Tf32BackwardGeometry<kHeadDim>;
   if (std::string err = check_smem(G::kBytes, kHeadDim); !err.empty()) return err;
   auto dkdv = general ? tf32_dkdv_kernel<kHeadDim, true> : tf32_dkdv_kernel<kHeadDim, false>;
@@ -72,11 +77,6 @@ std::string launch_tf32_dkdv_dq(const AttentionBackwardParams& p, bool vectorize
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, G::kBlock), p.heads_kv, p.batch, &grid); !err.empty())
     return err;
-  if (hopper.given()) {  // dispatch.cu hands them over for common-variant calls only
-    if (general) return "internal error: the sm90 TF32 kernels were chosen for a call of the general variant";
-    if (std::string err = hopper.dkdv(p, stream); !err.empty()) return err;
-    return hopper.dq(p, stream);
-  }
   if (grid > 0) {
     dkdv<<<grid, G::kThreads, G::kBytes, stream>>>(p, vectorized);
     if (std::string err = sm80::last_launch_error("float32 (TF32) dK/dV kernel launch"); !err.empty()) return err;

@@ -31,16 +31,6 @@ constexpr int kTf32Barriers = 1;
 constexpr int kTf32ScoresFree = 0, kTf32ProbsStored = 1, kTf32ScoreGradsStored = 2;
 constexpr int kTf32KVRounded = 7;  // both warpgroups: K and V are rounded in place
 
-// Rounds a register operand of TF32 bit patterns (copied raw from float32 tiles) to nearest in place. From the raw
-// bits: tfloat32_t's conversion to float clears the low 13 bits first, i.e. truncates.
-template <class Registers>
-__device__ __forceinline__ void round_tf32_registers(Registers& regs) {
-  CUTE_UNROLL
-  for (int i = 0; i < cute::size(regs); ++i) {
-    regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(__uint_as_float(regs(i).raw()))));
-  }
-}
-
 template <class Traits>
 __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                         typename Traits::SharedStorage& smem,
@@ -90,15 +80,8 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   // K and V stay for the CTA's life: rounded to nearest once here (the tensor cores would truncate them, as they
   // do the streamed Q and dO of S^T and dP^T; the A operands below are rounded in registers).
-  {
-    float* kv[] = {reinterpret_cast<float*>(smem.k.data()), reinterpret_cast<float*>(smem.v.data())};
-    constexpr int kElems = int(cosize_v<typename Traits::SmemLayoutKV>);
-    for (float* tile : kv) {
-      for (int i = thread; i < kElems; i += Traits::kConsumerThreads) tile[i] = round_to_tf32(tile[i]);
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the WGMMAs (async proxy) read them
-    named_barrier_sync(kTf32KVRounded, Traits::kConsumerThreads);
-  }
+  round_tiles_to_tf32(reinterpret_cast<float*>(smem.k.data()), reinterpret_cast<float*>(smem.v.data()),
+                      int(cosize_v<typename Traits::SmemLayoutKV>), thread, Traits::kConsumerThreads, kTf32KVRounded);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   for (int item = 0; item < kb.items; ++item) {
     const int stage = read.index();

@@ -16,7 +16,6 @@
 #include "../sm80/fragments.h"
 #include "../sm80/row_stats.h"
 #include "../sm80/score_tile.h"
-#include "backward_dkdv_tf32_consumer.h"  // round_tf32_registers
 #include "backward_query_rows.h"
 #include "backward_traits.h"
 #include "forward_kernel.h"  // RowBlock
@@ -72,15 +71,9 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
   sm80::NoKeepBits no_dropout;  // the common variant never reads keep bits
 
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
-  {  // Q and dO stay for the CTA's life: rounded to nearest once (the tensor cores would truncate them)
-    float* resident[] = {reinterpret_cast<float*>(smem.q.data()), reinterpret_cast<float*>(smem.d_o.data())};
-    constexpr int kElems = int(cosize_v<typename Traits::SmemLayoutQ>);
-    for (float* tile : resident) {
-      for (int i = thread; i < kElems; i += Traits::kConsumerThreads) tile[i] = round_to_tf32(tile[i]);
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the WGMMAs (async proxy) read them
-    named_barrier_sync(kTf32DqRounded, Traits::kConsumerThreads);
-  }
+  // Q and dO stay for the CTA's life: rounded to nearest once (the tensor cores would truncate them).
+  round_tiles_to_tf32(reinterpret_cast<float*>(smem.q.data()), reinterpret_cast<float*>(smem.d_o.data()),
+                      int(cosize_v<typename Traits::SmemLayoutQ>), thread, Traits::kConsumerThreads, kTf32DqRounded);
   typename Traits::PipelineState read;
   for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
     const int stage = read.index();

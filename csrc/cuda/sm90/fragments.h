@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>  // fence_view_async_shared
 
 #include "../common/named_barrier.h"
 
@@ -53,6 +54,28 @@ __device__ __forceinline__ float round_to_tf32(float x) {
   uint32_t bits;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
   return __uint_as_float(bits);
+}
+
+// Rounds a register operand of TF32 bit patterns (copied raw from float32 tiles) to nearest in place. From the raw
+// bits: tfloat32_t's conversion to float clears the low 13 bits first, i.e. truncates.
+template <class Registers>
+__device__ __forceinline__ void round_tf32_registers(Registers& regs) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(regs); ++i) {
+    regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(__uint_as_float(regs(i).raw()))));
+  }
+}
+
+// Rounds two float32 shared-memory tiles of `elems` floats each to TF32 in place, the work spread over `threads`
+// threads (this one is `thread`), then fences the stores for the WGMMAs (async proxy) and meets the others at named
+// barrier `barrier_id`: tiles a CTA keeps for its whole life, rounded once instead of truncated by the tensor cores.
+__device__ __forceinline__ void round_tiles_to_tf32(float* a, float* b, int elems, int thread, int threads,
+                                                    int barrier_id) {
+  for (float* tile : {a, b}) {
+    for (int i = thread; i < elems; i += threads) tile[i] = round_to_tf32(tile[i]);
+  }
+  cutlass::arch::fence_view_async_shared();
+  named_barrier_sync(barrier_id, threads);
 }
 
 // Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
