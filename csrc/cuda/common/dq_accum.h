@@ -20,7 +20,6 @@
 #include "../sm80/tensor_offsets.h"
 #include "block_range.h"
 #include "bulk_reduce.h"
-#include "named_barrier.h"
 
 namespace jax_flash::cuda {
 
@@ -82,14 +81,7 @@ __device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, co
 // `cols` floats per row in bounds, issued by the thread whose index is that row (one commit group each). Every
 // thread of the CTA calls it. Before the next call overwrites `staging`, the issuing threads wait for the reads
 // (bulk_wait_read) ahead of a CTA barrier. cols * 4 and `tile`'s rows are multiples of 16 bytes.
-// Between the stores and the issue, kIssuerWarps == 0: a CTA barrier; kIssuerWarps > 0 (rows <= 32 kIssuerWarps):
-// only those first warps wait, at named barrier kDqStagedBarrier, for everyone's stores, and the other warps
-// arrive there and go straight on (an experiment, JAX_FLASH_SM80_DQ_BARRIER; sm80/backward_launch.h). The next
-// call's stores come after a CTA barrier of the caller's (its item loop has one), so no warp can arrive twice
-// before the issuers have passed.
-constexpr int kDqStagedBarrier = 1;
-
-template <int kPitch, int kIssuerWarps = 0, class Acc, class Coords>
+template <int kPitch, class Acc, class Coords>
 __device__ __forceinline__ void stage_and_reduce_dq(const Acc& acc, const Coords& coords, float* staging, float* tile,
                                                     int64_t row_stride, int rows, int cols) {
   CUTE_UNROLL
@@ -98,17 +90,8 @@ __device__ __forceinline__ void stage_and_reduce_dq(const Acc& acc, const Coords
     *reinterpret_cast<float2*>(staging + row * kPitch + col) = make_float2(acc(i), acc(i + 1));
   }
   cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the bulk copies (async proxy)
+  __syncthreads();
   const int row = static_cast<int>(threadIdx.x);
-  if constexpr (kIssuerWarps > 0) {
-    if (row < 32 * kIssuerWarps) {
-      named_barrier_sync(kDqStagedBarrier, static_cast<int>(blockDim.x));
-    } else {
-      named_barrier_arrive(kDqStagedBarrier, static_cast<int>(blockDim.x));
-      return;
-    }
-  } else {
-    __syncthreads();
-  }
   if (row < rows) {
     bulk_reduce_add(tile + row * row_stride, staging + row * kPitch, cols * 4);
     bulk_commit();

@@ -30,14 +30,10 @@
 
 namespace jax_flash::cuda::sm80 {
 
-// kSplitDqBarrier (fused dQ built for sm_90 only): the warps that do not issue the staged dQ tile's reductions
-// arrive at its barrier and go on instead of waiting there (common/dq_accum.h stage_and_reduce_dq); an experiment,
-// chosen per call by JAX_FLASH_SM80_DQ_BARRIER (backward_launch.h).
-template <class Traits, bool kGeneral, bool kFusedDq, bool kSplitDqBarrier = false>
+template <class Traits, bool kGeneral, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
   static_assert(!(kGeneral && kFusedDq), "fused dQ is built for the common variant (dbias needs the dQ pass)");
-  static_assert(kFusedDq || !kSplitDqBarrier);
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -220,10 +216,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
       if constexpr (kBulkDq) {
         float* dq_staging = reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes);
-        constexpr int kIssuerWarps = kSplitDqBarrier ? kBlockM / 32 : 0;  // the issuers: threads below kBlockM
-        stage_and_reduce_dq<Traits::kDqStagingPitch, kIssuerWarps>(
-            acc_dq, dq_coords, dq_staging, p.dq_accum + q_shape.offset(cta.batch, m0, head), q_shape.row_stride(),
-            static_cast<int>(rows_in_bounds), static_cast<int>(p.head_dim));
+        stage_and_reduce_dq<Traits::kDqStagingPitch>(acc_dq, dq_coords, dq_staging,
+                                                     p.dq_accum + q_shape.offset(cta.batch, m0, head),
+                                                     q_shape.row_stride(), static_cast<int>(rows_in_bounds),
+                                                     static_cast<int>(p.head_dim));
       } else {
         add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
                     kDqTileExact && rows_in_bounds == kBlockM && p.head_dim == kHeadDim);

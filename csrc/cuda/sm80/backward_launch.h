@@ -12,7 +12,6 @@
 // also forms dbias.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -39,15 +38,6 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const 
 
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
 // on_sm90: the device is compute capability 9.x.
-// JAX_FLASH_SM80_DQ_BARRIER (read per call, an experiment for issue #3): "split" runs the fused form whose warps
-// that issue no dQ reductions skip the staging barrier's wait (dkdv_kernel's kSplitDqBarrier; built at head dim 128
-// only, the other head dims ignore it), anything else the default CTA barrier. It matters on 9.x only, where the
-// fused form stages dQ for bulk reductions.
-inline bool split_dq_barrier_requested() {
-  const char* env = std::getenv("JAX_FLASH_SM80_DQ_BARRIER");
-  return env != nullptr && std::string(env) == "split";
-}
-
 template <int kHeadDim, class Element>
 std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, bool on_sm90,
                         cudaStream_t stream) {
@@ -55,9 +45,6 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
   auto kernel = fused_dq                   ? dkdv_kernel<Traits, false, true>
                 : needs_general_variant(p) ? dkdv_kernel<Traits, true, false>
                                            : dkdv_kernel<Traits, false, false>;
-  if constexpr (kHeadDim == 128) {
-    if (fused_dq && split_dq_barrier_requested()) kernel = dkdv_kernel<Traits, false, true, true>;
-  }
   // On compute capability 9.x the fused form runs its sm_90 build, which stages dQ for bulk reductions (the
   // kernel's kBulkDq): a superset of what the sm_80 build uses, so it also fits a build without sm_90a.
   const int smem_bytes = Traits::kSmemBytes + (fused_dq && on_sm90 ? Traits::kDqStagingBytes : 0);

@@ -103,7 +103,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     barrier(kTf32ScoresFree);  // every warp's wait<1> above retired the previous item's dV^T / dK^T: P^T, dS^T free
     // P^T rounded to TF32 (the conversion), generic-proxy stores fenced before the WGMMA (async proxy) reads them.
     copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP));
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     copy(smem_dot(_, _, _, stage), regs_a);
     round_tf32_registers(regs_a);
     barrier(kTf32ProbsStored);
@@ -112,14 +112,14 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     warpgroup_wait<1>();  // dP^T is ready (issued before dV^T's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
-    pipeline_stats.consumer_release(read);
+    release_after_reads(pipeline_stats, read, acc_dp);  // dS holds every use of the stage's row stats
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
     copy(smem_qt(_, _, _, stage), regs_a);
-    // This thread's last read of the stage: S^T and dP^T have retired, dV^T and dK^T take dO^T / Q^T from registers.
-    pipeline_qdo.consumer_release(read);
     round_tf32_registers(regs_a);
+    // This thread's last read of the stage: S^T and dP^T have retired, dV^T and dK^T take dO^T / Q^T from registers.
+    release_after_reads(pipeline_qdo, read, regs_a);
     barrier(kTf32ScoreGradsStored);
     // dK^T runs on under the next item's S^T and dP^T: that item's wait<1> (after issuing them; wgmma groups
     // complete in order) retires it before regs_a, P^T or dS^T are written again.

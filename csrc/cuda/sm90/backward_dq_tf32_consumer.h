@@ -99,11 +99,11 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     }
     barrier(kTf32DqScoreGradsFree);  // every warp has retired the previous dQ^T GEMM, the reader of dS and K^T
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));  // dS rounded to TF32 by the conversion
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     copy(smem_kt(_, _, _, stage), regs_kt);
-    // The stage's last reader in this thread: S and dP have retired, and dQ^T takes K^T from registers.
-    pipeline_kv.consumer_release(read);
     round_tf32_registers(regs_kt);
+    // The stage's last reader in this thread: S and dP have retired, and dQ^T takes K^T from registers.
+    release_after_reads(pipeline_kv, read, regs_kt);
     barrier(kTf32DqScoreGradsStored);
     issue_wgmma<false>(mma_dqt, regs_kt, frag_ds, acc_dqt);
     ++read;
