@@ -100,7 +100,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
       mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
-    barrier(kTf32ScoresFree);  // every warp's wait<1> above retired the previous item's dV^T / dK^T: P^T, dS^T free
+    barrier(kTf32ScoresFree);  // every warp retired the previous item's dV^T / dK^T: P^T, dS^T are free
     // P^T rounded to TF32 (the conversion), generic-proxy stores fenced before the WGMMA (async proxy) reads them.
     copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP));
     fence_stores_for_async_proxy();
@@ -112,18 +112,22 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     warpgroup_wait<1>();  // dP^T is ready (issued before dV^T's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
-    release_after_reads(pipeline_stats, read, acc_dp);  // dS holds every use of the stage's row stats
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));
     fence_stores_for_async_proxy();
     warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
     copy(smem_qt(_, _, _, stage), regs_a);
     round_tf32_registers(regs_a);
-    // This thread's last read of the stage: S^T and dP^T have retired, dV^T and dK^T take dO^T / Q^T from registers.
-    release_after_reads(pipeline_qdo, read, regs_a);
     barrier(kTf32ScoreGradsStored);
-    // dK^T runs on under the next item's S^T and dP^T: that item's wait<1> (after issuing them; wgmma groups
-    // complete in order) retires it before regs_a, P^T or dS^T are written again.
     issue_wgmma<false>(mma_dkvt, regs_a, frag_ds, acc_dkt);
+    // dK^T retires within its item. Left running under the next item's S^T and dP^T (retired by that item's
+    // wait<1>), it made ptxas serialise every WGMMA of the kernel (C7515: it cannot follow a WGMMA in flight across
+    // the loop's back edge, as the 16-bit consumers never leave one).
+    warpgroup_wait<0>();
+    // Both stages go back only now that this thread's loads from them have landed (as in the dQ pass: an arrive
+    // does not wait for earlier loads): Q^T is in the registers dK^T was issued with, and the row stats are in dS,
+    // stored before the barrier above. S^T and dP^T have retired.
+    pipeline_stats.consumer_release(read);
+    pipeline_qdo.consumer_release(read);
     ++read;
   }
   warpgroup_wait<0>();

@@ -102,10 +102,13 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     fence_stores_for_async_proxy();
     copy(smem_kt(_, _, _, stage), regs_kt);
     round_tf32_registers(regs_kt);
-    // The stage's last reader in this thread: S and dP have retired, and dQ^T takes K^T from registers.
-    release_after_reads(pipeline_kv, read, regs_kt);
     barrier(kTf32DqScoreGradsStored);
     issue_wgmma<false>(mma_dqt, regs_kt, frag_ds, acc_dqt);
+    // The stage goes back only now. S and dP have retired, and the K^T loads have landed: the WGMMA above could not
+    // issue before its registers held them. Released right after the loads, the arrive does not wait for them (it
+    // did not in the SASS), so the last warpgroup to release raced the producer's refill of the stage and read
+    // K^T partly from the next tile (session 13: dQ wrong in one warpgroup's rows, different run to run).
+    pipeline_kv.consumer_release(read);
     ++read;
   }
   warpgroup_wait<0>();

@@ -72,15 +72,6 @@ __device__ __forceinline__ void fence_stores_for_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Hands a pipeline stage back once this thread's reads of it have landed in `registers`: the fence makes the
-// compiler produce their values first (the release is volatile asm without a memory clobber, which plain shared-memory
-// loads may otherwise pass; the last warpgroup to release would then race the producer's refill of the stage).
-template <class Pipeline, class State, class Registers>
-__device__ __forceinline__ void release_after_reads(Pipeline& pipeline, State const& state, Registers& registers) {
-  cute::warpgroup_fence_operand(registers);
-  pipeline.consumer_release(state);
-}
-
 // Rounds two float32 shared-memory tiles of `elems` floats each to TF32 in place, the work spread over `threads`
 // threads (this one is `thread`), then fences the stores for the WGMMAs (async proxy) and meets the others at named
 // barrier `barrier_id`: tiles a CTA keeps for its whole life, rounded once instead of truncated by the tensor cores.
