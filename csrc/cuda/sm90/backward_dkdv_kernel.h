@@ -318,7 +318,6 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       warpgroup_wait<0>();
       transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
     }
-    pipeline_stats.consumer_release(read);
 
     Tensor probs = sm80::converted<T>(acc_s);
     Tensor score_grads = sm80::converted<T>(acc_dp);
@@ -334,6 +333,9 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     }
     issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
     issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+    // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it feeds)
+    // are these WGMMAs' register operands, so their issue waits for those loads.
+    pipeline_stats.consumer_release(read);
     if constexpr (kFusedDq) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
       Tensor frag_ds_item = frag_ds(_, _, _, buffer);

@@ -116,10 +116,12 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     warpgroup_wait<1>();  // dP^T is ready (it was issued before dV's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
-    pipeline_stats.consumer_release(read);
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS_mine(_, _, buffer)));
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(kSplitScoreGradsStoredBarrier, Traits::kConsumerThreads);
+    // The row-stats stage goes back only now: the dS^T stores above consume every softmax_d value loaded from it,
+    // so they (and the barrier) issue after those loads have returned.
+    pipeline_stats.consumer_release(read);
     Tensor frag_ds_item = frag_ds(_, _, _, buffer);
     issue_wgmma<false>(mma_dkv, frag_ds_item, frag_qt(_, _, _, stage), acc_dk);
     warpgroup_wait<0>();  // dV and dK read this stage's Q / dO: retired before it goes back
