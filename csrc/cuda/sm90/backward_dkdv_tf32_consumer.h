@@ -119,15 +119,15 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     round_tf32_registers(regs_a);
     barrier(kTf32ScoreGradsStored);
     issue_wgmma<false>(mma_dkvt, regs_a, frag_ds, acc_dkt);
-    // dK^T retires within its item. Left running under the next item's S^T and dP^T (retired by that item's
-    // wait<1>), it made ptxas serialise every WGMMA of the kernel (C7515: it cannot follow a WGMMA in flight across
-    // the loop's back edge, as the 16-bit consumers never leave one).
-    warpgroup_wait<0>();
     // Both stages go back only now that this thread's loads from them have landed (as in the dQ pass: an arrive
     // does not wait for earlier loads): Q^T is in the registers dK^T was issued with, and the row stats are in dS,
     // stored before the barrier above. S^T and dP^T have retired.
     pipeline_stats.consumer_release(read);
     pipeline_qdo.consumer_release(read);
+    // dK^T retires within its item. Left running under the next item's S^T and dP^T (retired by that item's
+    // wait<1>), it made ptxas serialise every WGMMA of the kernel (C7515: it cannot follow a WGMMA in flight across
+    // the loop's back edge, as the 16-bit consumers never leave one).
+    warpgroup_wait<0>();
     ++read;
   }
   warpgroup_wait<0>();
