@@ -19,6 +19,7 @@
 #include "../sm80/launch_common.h"
 #include "../sm80/tensor_offsets.h"
 #include "block_range.h"
+#include "async_proxy_fence.h"
 #include "bulk_reduce.h"
 
 namespace jax_flash::cuda {
@@ -89,7 +90,7 @@ __device__ __forceinline__ void stage_and_reduce_dq(const Acc& acc, const Coords
     const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
     *reinterpret_cast<float2*>(staging + row * kPitch + col) = make_float2(acc(i), acc(i + 1));
   }
-  cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the bulk copies (async proxy)
+  fence_stores_for_async_proxy();  // these generic-proxy stores before the bulk copies (async proxy)
   __syncthreads();
   const int row = static_cast<int>(threadIdx.x);
   if (row < rows) {

@@ -328,7 +328,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // Buffer `buffer` is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
       // barrier, which this consumer has passed.
       copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
-      cutlass::arch::fence_view_async_shared();  // these generic-proxy stores before the WGMMA (async proxy) reads
+      fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
       named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
     }
     issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
@@ -346,7 +346,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // The staged tile is free again once the writer's reductions of the previous item have read it.
       if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
       stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, group, thread % 128);
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores before the bulk copies (async proxy) read
+      fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
       cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
     } else {
       // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.

@@ -108,7 +108,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     // P^T first, with a barrier of its own, so that dV's GEMM runs while dS^T is formed and stored. Generic-proxy
     // stores, fenced before the WGMMAs (async proxy) of both warpgroups read them.
     copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP_mine(_, _, buffer)));
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     named_barrier_sync(kSplitProbsStoredBarrier, Traits::kConsumerThreads);
     Tensor frag_p_item = frag_p(_, _, _, buffer);
     issue_wgmma<false>(mma_dkv, frag_p_item, frag_dot(_, _, _, stage), acc_dv);
@@ -117,7 +117,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
     copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS_mine(_, _, buffer)));
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     named_barrier_sync(kSplitScoreGradsStoredBarrier, Traits::kConsumerThreads);
     // The row-stats stage goes back only now: the dS^T stores above consume every softmax_d value loaded from it,
     // so they (and the barrier) issue after those loads have returned.

@@ -528,7 +528,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   if constexpr (!Traits::kOwnOutputBuffer) {
     // O was staged in Q's buffer: order this thread's generic-proxy accesses to it before the next tile's TMA
     // (async proxy) write, then free it.
-    cutlass::arch::fence_view_async_shared();
+    fence_stores_for_async_proxy();
     cutlass::arch::ClusterBarrier::arrive(&smem.q_empty);
   }
   ++progress.round;

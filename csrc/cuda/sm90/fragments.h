@@ -5,8 +5,8 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>  // fence_view_async_shared
 
+#include "../common/async_proxy_fence.h"
 #include "../common/named_barrier.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -64,12 +64,6 @@ __device__ __forceinline__ void round_tf32_registers(Registers& regs) {
   for (int i = 0; i < cute::size(regs); ++i) {
     regs(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(round_to_tf32(__uint_as_float(regs(i).raw()))));
   }
-}
-
-// fence.proxy.async.shared::cta with a memory clobber: CUTLASS's fence_view_async_shared has none, so the compiler
-// may move this thread's generic-proxy shared-memory stores past it; here they stay before it.
-__device__ __forceinline__ void fence_stores_for_async_proxy() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Rounds two float32 shared-memory tiles of `elems` floats each to TF32 in place, the work spread over `threads`
