@@ -6,6 +6,8 @@ lengths and segment ids, jax_flash/_key_masks.py, as kv lengths plus the mask, o
 Shapes: bf16, batch 8, seqlen_q 1, heads_q 32, heads_kv 32 / 8 / 4 / 1 (G = 1 / 4 / 8 / 32), head_dim 128, seqlen_k
 1k..64k, not causal: the one new query sees every cached key (jax.nn's is_causal aligns the diagonal top-left, so
 it would hide all but the first key; jax_flash's bottom-right causal would be the same as none here).
+``--seqlen-q n`` (n > 1): speculative decoding, n new queries against the cache, causal aligned bottom-right (query
+i sees keys up to seqlen_k - n + i): jax_flash's ``causal=True``; jax.nn gets that mask as a boolean ``mask``.
 Decoding is memory-bound, so besides the time each row reports the rate at which K and V are read
 (bytes of K and V / time, GB/s): the number to compare with the HBM bandwidth (~4.8 TB/s on an H200).
 Times: wall clock over `--reps` jitted forward calls after warm-up, median of 3 trials (bench_attention.py).
@@ -35,44 +37,58 @@ IMPLEMENTATIONS = (*JAX_FLASH_SWITCHES, *KEY_MASK_SWITCHES, "cudnn", "xla")
 BATCH, HEADS_Q, HEAD_DIM = 8, 32, 128
 
 
-def decode_fn(implementation: str):
-    """A fresh jitted function of (q, k, v, lengths): the switches are read while it traces."""
+def decode_fn(implementation: str, causal: bool = False):
+    """A fresh jitted function of (q, k, v, lengths): the switches are read while it traces. ``causal``: the new
+    queries are the last rows of the sequence (bottom-right causal)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
     import jax_flash
 
+    attention = functools.partial(jax_flash.attention, causal=causal)
+
     for variable in ("JAX_FLASH_PACK_GQA", "JAX_FLASH_SPLIT_KV", "JAX_FLASH_KEY_MASKS", "JAX_FLASH_KEY_MASK_FORM"):
         os.environ[variable] = ""
     if implementation.startswith("jax_flash_split"):  # a forced number of key chunks (--splits)
         os.environ["JAX_FLASH_SPLIT_KV"] = implementation[len("jax_flash_split"):]
-        return jax.jit(lambda q, k, v, lengths: jax_flash.attention(q, k, v))
+        return jax.jit(lambda q, k, v, lengths: attention(q, k, v))
     if implementation in JAX_FLASH_SWITCHES:
         os.environ["JAX_FLASH_PACK_GQA"], os.environ["JAX_FLASH_SPLIT_KV"] = JAX_FLASH_SWITCHES[implementation]
-        return jax.jit(lambda q, k, v, lengths: jax_flash.attention(q, k, v))
+        return jax.jit(lambda q, k, v, lengths: attention(q, k, v))
     if implementation in KEY_MASK_SWITCHES:
         os.environ["JAX_FLASH_KEY_MASKS"], os.environ["JAX_FLASH_KEY_MASK_FORM"] = KEY_MASK_SWITCHES[implementation]
 
         def masked(q, k, v, lengths):
             mask = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
-            return jax_flash.attention(q, k, v, mask=mask)
+            return attention(q, k, v, mask=mask)
 
         return jax.jit(masked)
-    return jax.jit(lambda q, k, v, lengths: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
+
+    def jax_nn(q, k, v, lengths):
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        mask = None
+        if causal:
+            mask = (jnp.arange(seqlen_k)[None, :] <= jnp.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+    return jax.jit(jax_nn)
 
 
-def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int) -> dict:
+def measure(implementation: str, heads_kv: int, seqlen_k: int, reps: int, seqlen_q: int = 1) -> dict:
     import jax
     import jax.numpy as jnp
 
     kq, kk, kv = jax.random.split(jax.random.key(seqlen_k + heads_kv), 3)
-    q = jax.random.normal(kq, (BATCH, 1, HEADS_Q, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(kq, (BATCH, seqlen_q, HEADS_Q, HEAD_DIM), jnp.bfloat16)
     k = jax.random.normal(kk, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
     v = jax.random.normal(kv, (BATCH, seqlen_k, heads_kv, HEAD_DIM), jnp.bfloat16)
-    row = {"impl": implementation, "batch": BATCH, "seqlen_q": 1, "seqlen_k": seqlen_k, "heads_q": HEADS_Q,
-           "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": False}
+    causal = seqlen_q > 1
+    row = {"impl": implementation, "batch": BATCH, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads_q": HEADS_Q,
+           "heads_kv": heads_kv, "head_dim": HEAD_DIM, "causal": causal}
     try:
-        fn = decode_fn(implementation)
+        fn = decode_fn(implementation, causal)
         # compiled now, under this implementation's switches; the timed calls reuse the executable
         lengths = jnp.full((BATCH,), seqlen_k, jnp.int32)
         jax.block_until_ready(fn(q, k, v, lengths))
@@ -93,6 +109,8 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also time jax_flash with JAX_FLASH_SPLIT_KV forced to each of these (rows "
                              "jax_flash_split<n>; a count that does not divide seqlen_k runs unsplit)")
+    parser.add_argument("--seqlen-q", type=int, default=1,
+                        help="new queries per sequence; above 1 the calls are causal (speculative decoding)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out-dir", default=bench_attention.RESULTS_DIR)
@@ -109,7 +127,7 @@ def main() -> None:
         for seqlen_k in args.seqlens:
             times = {}
             for implementation in [*args.impls, *(f"jax_flash_split{n}" for n in args.splits)]:
-                row = measure(implementation, heads_kv, seqlen_k, args.reps)
+                row = measure(implementation, heads_kv, seqlen_k, args.reps, args.seqlen_q)
                 rows.append(row)
                 times[implementation] = row.get("us")
                 shown = (f"{row['us']:8.1f} us {row['kv_read_gbps']:7.0f} GB/s" if "us" in row

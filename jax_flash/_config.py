@@ -47,7 +47,11 @@ class ScoreConfig:
     ``kv_len - q_len`` of its sequence (FlashAttention's bottom-right convention). ``causal`` keeps
     ``j <= diag(i)``; the window keeps ``diag(i) - window_left <= j <= diag(i) + window_right`` (-1: unbounded).
     ``dropout_rate`` needs ``DenseOperands.dropout_seeds``. ``allow_tf32``: float32 inputs may be multiplied on
-    TF32 tensor cores on the GPU (float32 accumulation); False keeps every product in float32.
+    TF32 tensor cores on the GPU (float32 accumulation); False keeps every product in float32. ``packed_heads``
+    (forward calls only, set by ``_gqa_packing``): query rows per position, row ``i`` being position
+    ``i // packed_heads`` for the position masks. ``kv_chunks`` (forward calls only, set by ``_kv_split``): each
+    sequence's keys arrive as that many consecutive batch rows of ``seqlen_k`` keys each, ``kv_seqlens`` counting
+    the whole sequence; the masks read whole-sequence key positions.
     """
 
     softmax_scale: float
@@ -60,6 +64,8 @@ class ScoreConfig:
     deterministic: bool = False
     dropout_rate: float = 0.0
     allow_tf32: bool = False
+    packed_heads: int = 1
+    kv_chunks: int = 1
 
 
 class MaskOperands(NamedTuple):

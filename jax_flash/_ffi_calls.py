@@ -93,7 +93,8 @@ def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
                  if _uses_tf32_workspace(q, masks, config, dense) else jax.ShapeDtypeStruct((0,), jnp.float32))
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS), workspace)
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config))
+    o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config),
+                     packed_heads=np.int64(config.packed_heads), kv_chunks=np.int64(config.kv_chunks))
     return o, lse
 
 

@@ -8,11 +8,11 @@ one tile holds all eight rows and K/V are read once per group.
 
 Row ``s * G + g`` of the packed call is position ``s`` of query head ``kv_head * G + g``. The per-row masks carry
 over exactly: ``q_seqlens`` scale by ``G`` (row ``s * G + g`` is valid iff ``s < q_seqlens``), ``q_segment_ids``
-repeat ``G`` times. Masks that read a row's position (causal, window, ALiBi) would see ``s * G + g`` instead of
-``s``, so those calls are not packed, except a causal one with ``Sq = 1`` (bottom-right aligned, no offset, no
-``q_seqlens``), where the one query sees every key and causal changes nothing. Calls with a bias, a boolean mask or
-dropout (per-head operands, and dropout's per-row random stream) are not packed either. The backward is not
-packed: it gets ``o`` and ``lse`` in the usual layout.
+repeat ``G`` times. The position masks (causal, window) read row ``r`` as position ``r // G``: the call carries
+``G`` as ``packed_heads`` (``ScoreConfig``; ``SliceMask::position`` in csrc/common/score_pipeline.h), so causal
+and windowed calls pack too (speculative decoding, chunked prefill). Not packed: ALiBi (its slope is the row's head, its distance the row's
+position), a bias, a boolean mask or dropout (per-head operands, and dropout's per-row random stream). The
+backward is not packed: it gets ``o`` and ``lse`` in the usual layout.
 
 ``JAX_FLASH_PACK_GQA`` (read when the forward is traced): unset or ``1`` packs where it applies, ``0`` never.
 """
@@ -52,8 +52,9 @@ def _causal_is_moot(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> b
 
 def masks_read_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
     """Whether a mask of the call reads a row's or a key's position (or, aligned to the sequence end, its length):
-    a window, ALiBi, or causal where it is not moot. Packing, the split-KV forward and the key-mask conversion
-    each change positions or lengths, so none applies then."""
+    a window, ALiBi, or causal where it is not moot. The key-mask conversion changes the kv lengths, which the
+    position masks align to, so it does not apply then (packing and the split-KV forward carry the positions in
+    ``ScoreConfig.packed_heads`` and ``kv_chunks``)."""
     if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
         return True
     return config.causal and not _causal_is_moot(q, masks, config)
@@ -84,7 +85,7 @@ def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: Score
         return 1
     if _tiles(seqlen_q * group) >= group * _tiles(seqlen_q):
         return 1  # no tile saved (seqlen_q a multiple of the tile height)
-    if has_dense_operands(q, k, masks, config, dense) or masks_read_positions(q, masks, config):
+    if has_dense_operands(q, k, masks, config, dense) or masks.alibi_slopes.shape[-1] != 0:
         return 1
     if not _query_axes_replicated(q):
         return 1
@@ -104,8 +105,7 @@ def pack(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     q_segment_ids = (jnp.repeat(masks.q_segment_ids, group, axis=1) if masks.q_segment_ids.shape[-1]
                      else masks.q_segment_ids)
     masks = masks._replace(q_seqlens=q_seqlens, q_segment_ids=q_segment_ids)
-    if config.causal:  # only where it is moot (group_to_pack)
-        config = dataclasses.replace(config, causal=False)
+    config = dataclasses.replace(config, packed_heads=group)
     return packed, masks, config
 
 

@@ -6,12 +6,14 @@ call (``seqlen_q`` 1, even with GQA packing) has only ``batch * heads`` tiles, o
 (132 on the H200), and each tile reads a long K/V alone. Split, ``n`` tiles share that work.
 
 How: ``k [B, Sk, H, D]`` reshapes (no copy) to ``[B * n, Sk / n, H, D]``; ``q`` and the per-row operands repeat
-``n`` times (a few rows); ``kv_seqlens`` become each chunk's share, ``kv_segment_ids`` reshape with the keys. Chunk
-``i`` returns ``o_i`` and ``lse_i``; the call's result is ``lse = log(sum_i exp(lse_i))`` and
+``n`` times (a few rows), ``kv_segment_ids`` reshape with the keys. The call carries ``n`` as ``kv_chunks``
+(``ScoreConfig``; ``make_slice_mask`` in csrc/common/score_pipeline.h): batch row ``b * n + i`` holds keys from
+``i * Sk / n`` on, and its ``kv_seqlens`` (repeated) still count the whole sequence, so that causal masks, windows and
+ALiBi read whole-sequence key positions and the causal diagonal stays aligned to the sequence end. Chunk ``i``
+returns ``o_i`` and ``lse_i``; the call's result is ``lse = log(sum_i exp(lse_i))`` and
 ``o = sum_i exp(lse_i - lse) o_i`` (float32 sums; a row no chunk lets see a key keeps ``o = 0``, ``lse = -inf``).
 
-Where: calls whose masks do not read a key's position (no window, no ALiBi; causal only where it is moot, see
-``_gqa_packing``), without bias, boolean mask or dropout, with at most one row tile of queries per (batch, head)
+Where: calls without bias, boolean mask or dropout, with at most one row tile of queries per (batch, head)
 (``seqlen_q <= 128`` after packing: the decoding shapes it was measured on), where the unsplit call has fewer tiles
 than ``_TARGET_TILES`` and ``seqlen_k`` has a divisor that leaves chunks of at least ``_MIN_CHUNK`` keys. The backward
 is not split: it gets the merged ``o`` and ``lse``.
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import TILE_ROWS, DenseOperands, MaskOperands, ScoreConfig
-from jax_flash._gqa_packing import has_dense_operands, masks_read_positions
+from jax_flash._gqa_packing import has_dense_operands
 
 SPLIT_KV_ENV = "JAX_FLASH_SPLIT_KV"
 
@@ -60,7 +62,7 @@ def _unsharded(x: jax.Array) -> bool:
 
 
 def _qualifies(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
-    if has_dense_operands(q, k, masks, config, dense) or masks_read_positions(q, masks, config):
+    if has_dense_operands(q, k, masks, config, dense):
         return False
     return q.shape[1] > 0 and k.shape[1] > 0 and _unsharded(q) and _unsharded(k)
 
@@ -103,24 +105,18 @@ def _chunked_key_mask(mask: jax.Array, batch: int, seqlen_k: int, splits: int) -
 def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
                   config: ScoreConfig, dense: DenseOperands, splits: int) -> tuple[jax.Array, jax.Array]:
     """Runs ``call`` (the unsplit forward: ``o [B, Sq, Hq, D]``, ``lse [B, Hq, Sq]``) over ``splits`` key chunks
-    and merges them. Only for calls ``splits_for`` chose (no position masks; of the dense operands only a key-only
-    mask, which is chunked with the keys)."""
+    and merges them. Only for calls ``splits_for`` chose (of the dense operands only a key-only mask, which is
+    chunked with the keys)."""
     batch, seqlen_q, heads, head_dim = q.shape
-    chunk = k.shape[1] // splits
-    if masks.kv_seqlens.shape[-1]:
-        starts = jnp.arange(splits, dtype=jnp.int32) * chunk
-        kv_seqlens = jnp.clip(masks.kv_seqlens - starts[None, :], 0, chunk).reshape(batch * splits, 1)
-    else:
-        kv_seqlens = _repeated(masks.kv_seqlens, splits)
     kv_segment_ids = masks.kv_segment_ids
     kv_segment_ids = _chunked(kv_segment_ids, splits) if kv_segment_ids.shape[-1] else _repeated(kv_segment_ids,
                                                                                                  splits)
     chunk_masks = MaskOperands(alibi_slopes=_repeated(masks.alibi_slopes, splits),
-                               q_seqlens=_repeated(masks.q_seqlens, splits), kv_seqlens=kv_seqlens,
+                               q_seqlens=_repeated(masks.q_seqlens, splits),
+                               kv_seqlens=_repeated(masks.kv_seqlens, splits),
                                q_segment_ids=_repeated(masks.q_segment_ids, splits),
                                kv_segment_ids=kv_segment_ids)
-    if config.causal:  # only where it is moot (_qualifies), and it would not be in a chunk
-        config = dataclasses.replace(config, causal=False)
+    config = dataclasses.replace(config, kv_chunks=splits)
     chunk_dense = DenseOperands.absent(batch * splits)
     if dense.has_mask:
         chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, k.shape[1], splits))

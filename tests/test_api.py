@@ -91,7 +91,8 @@ def test_export_for_cuda_from_cpu():
     assert exported.platforms == ("cuda",)
 
 
-def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None, workspace_shape=(0,), allow_tf32=False):
+def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None, workspace_shape=(0,), allow_tf32=False,
+                 packed_heads=1, kv_chunks=1, dropout_rate=0.0):
     batch = q.shape[0]
     masks = masks or [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
     dense = dense or [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
@@ -101,7 +102,8 @@ def _raw_forward(q, k, v, o_shape, lse_shape, masks=None, dense=None, workspace_
                              jax.ShapeDtypeStruct(workspace_shape, jnp.float32)))
     o, lse, _ = call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0), causal=False,
                      align_to_sequence_end=True, diagonal_offset=np.int64(0), window_left=np.int64(-1),
-                     window_right=np.int64(-1), dropout_rate=np.float32(0.0), allow_tf32=allow_tf32)
+                     window_right=np.int64(-1), dropout_rate=np.float32(dropout_rate), allow_tf32=allow_tf32,
+                     packed_heads=np.int64(packed_heads), kv_chunks=np.int64(kv_chunks))
     return o, lse
 
 
@@ -167,6 +169,41 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
         workspace_shape = (2, 2, 64 * 24)
     with pytest.raises(Exception, match="jax_flash"):
         jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense, workspace_shape, allow_tf32))
+
+
+@pytest.mark.parametrize("problem,match", [
+    ("packed_heads_0", "packed_heads must be >= 1"), ("packed_heads_19_rows", "must divide seqlen_q"),
+    ("packed_heads_alibi", "alibi_slopes cannot"), ("packed_heads_query_mask", "mask that varies along the queries"),
+    ("kv_chunks_0", "kv_chunks must be >= 1"), ("kv_chunks_batch", "must divide the batch"),
+    ("kv_chunks_dropout", "dropout cannot be combined with kv_chunks")])
+def test_raw_target_rejects_bad_row_layouts(problem, match):
+    """GQA packing's packed_heads and split-KV's kv_chunks, re-checked by the handler against the buffers."""
+    q, k, v = _inputs()
+    kwargs, masks, dense = {}, None, None
+    absent_masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    absent_dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool),
+                    jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((2, 0), jnp.uint32)]
+    if problem == "packed_heads_0":
+        kwargs = dict(packed_heads=0)
+    elif problem == "packed_heads_19_rows":
+        kwargs = dict(packed_heads=2)
+    elif problem == "packed_heads_alibi":
+        q = q[:, :18]
+        kwargs, masks = dict(packed_heads=2), [jnp.ones((2, 4), jnp.float32)] + absent_masks[1:]
+    elif problem == "packed_heads_query_mask":
+        q = q[:, :18]
+        mask = jnp.ones((2, 1, 18, 23), bool)
+        kwargs = dict(packed_heads=2)
+        dense = [absent_dense[0], mask, _mask_blocks.block_summary(mask), absent_dense[3]]
+    elif problem == "kv_chunks_0":
+        kwargs = dict(kv_chunks=0)
+    elif problem == "kv_chunks_batch":
+        kwargs = dict(kv_chunks=3)
+    elif problem == "kv_chunks_dropout":
+        kwargs = dict(kv_chunks=2, dropout_rate=0.1)
+        dense = absent_dense[:3] + [jnp.ones((2, 2), jnp.uint32)]
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, q.shape[1]), masks, dense, **kwargs))
 
 
 def test_raw_target_accepts_the_tf32_workspace():

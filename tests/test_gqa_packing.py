@@ -29,12 +29,14 @@ DECISIONS = (
     (1, 8, 2, "none", True),
     (1, 8, 2, "causal", True),           # one query row: causal masks nothing
     (5, 8, 1, "none", True),
-    (5, 8, 2, "causal", False),          # the rows' positions matter
-    (5, 8, 2, "window", False),
-    (1, 8, 2, "window", False),
-    (5, 8, 2, "alibi", False),
+    (5, 8, 2, "causal", True),           # the kernels read row r as position r // G (packed_heads)
+    (5, 8, 2, "window", True),
+    (1, 8, 2, "window", True),
+    (5, 8, 2, "window_left_causal", True),
+    (5, 8, 2, "alibi", False),           # the slope is the row's head
+    (5, 8, 2, "alibi_batched_causal", False),
     (5, 8, 2, "seqlens", True),
-    (1, 8, 2, "seqlens_causal", False),  # a q_seqlens of 0 moves the causal diagonal
+    (1, 8, 2, "seqlens_causal", True),
     (5, 8, 2, "segments", True),
     (5, 8, 2, "softcap", True),
     (5, 4, 4, "none", False),            # no group to pack
@@ -68,8 +70,31 @@ def test_dense_operands_and_switch_keep_calls_unpacked(monkeypatch):
         packed(case)
 
 
+def test_packed_call_carries_the_group_for_position_masks(monkeypatch):
+    """A causal call packs with packed_heads = G on the custom call (the kernels' row -> position map); ALiBi calls
+    stay unpacked."""
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+
+    def forward_params(case, **kwargs):
+        q, k, v = case.inputs()
+        text = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, **kwargs)).lower(q, k, v).as_text()
+        forward = [line for line in text.splitlines() if "jax_flash_attention_forward" in line]
+        assert forward, text
+        return forward[0]
+
+    causal = forward_params(Case(seqlen_q=5, seqlen_k=40, heads_q=8, heads_kv=2), causal=True)
+    assert "packed_heads = 4" in causal and "causal = true" in causal
+    plain = forward_params(Case(seqlen_q=5, seqlen_k=40, heads_q=8, heads_kv=2), alibi_slopes=jnp.ones(8) * 0.1)
+    assert "packed_heads = 1" in plain
+
+
+# Masks that read a packed row's position (causal, window, per-sequence diagonal), on query lengths whose packed
+# rows cross tile boundaries (33 * 6 = 198 rows: two 128-row tiles) and on keys both shorter and longer than them.
+POSITION_FEATURES = ("causal", "window", "window_left_causal", "seqlens_causal")
+
+
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("feature", ("none", "causal", "seqlens", "segments", "softcap"))
+@pytest.mark.parametrize("feature", ("none", "seqlens", "segments", "softcap") + POSITION_FEATURES)
 @pytest.mark.parametrize("seqlen_q,heads_q,heads_kv", ((1, 8, 2), (7, 4, 1), (33, 6, 2)))
 def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype, monkeypatch):
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
@@ -77,6 +102,7 @@ def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype
                 seed=seqlen_q + heads_q)
     kwargs = feature_kwargs(feature, case)
     q, k, v = case.inputs()
+    assert packed(case, **kwargs)
     assert_forward_within_bound(q, k, v, dtype, **kwargs)
     d_o = jax.random.normal(jax.random.key(3), q.shape, jnp.float32).astype(dtype)
     assert_gradients_within_bound(q, k, v, d_o, dtype, **kwargs)
@@ -92,3 +118,34 @@ def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype
 def test_packed_under_vmap_and_jit(monkeypatch):
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
     assert_vmapped_jit_matches_xla(Case(batch=2, seqlen_q=3, seqlen_k=30, heads_q=8, heads_kv=2, seed=11))
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,top_left", ((9, 4, False), (9, 300, False), (20, 20, False),
+                                                      (9, 4, True), (20, 300, True)))
+def test_packed_causal_diagonals(seqlen_q, seqlen_k, top_left, monkeypatch):
+    """Bottom-right causal with fewer keys than queries (the first rows see nothing: o = 0, lse = -inf) and with
+    many more (the split-KV forward stays off), and jax.nn's top-left causal mask (no alignment to the sequence end)."""
+    monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=8, heads_kv=2, head_dim=32, seed=seqlen_k)
+    q, k, v = case.inputs()
+    if top_left:
+        def call():
+            return jax_flash.dot_product_attention(q, k, v, is_causal=True), None
+    else:
+        assert packed(case, causal=True)
+        assert_forward_within_bound(q, k, v, case.dtype, causal=True)
+
+        def call():
+            return jax_flash.attention(q, k, v, causal=True, return_lse=True)
+    o, lse = call()
+    monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "0")
+    o_plain, lse_plain = call()
+    reference = jax.nn.dot_product_attention(q, k, v, is_causal=True) if top_left else o_plain
+    np.testing.assert_allclose(np.asarray(o), np.asarray(reference), **same_attention_tolerance(q))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_plain), **same_attention_tolerance(q))
+    if lse is not None:
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(lse_plain)))
+        finite = np.isfinite(np.asarray(lse_plain))
+        np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_plain)[finite],
+                                   **same_attention_tolerance(q, lse=True))
+    assert np.all(np.isfinite(np.asarray(o)))

@@ -41,14 +41,15 @@ DECISIONS = (
     (1, 1, 300, 8, 8, "none", 1),        # too few keys for two chunks
     (64, 1, 4096, 8, 8, "none", 1),      # 512 tiles already
     (4, 1, 4096, 16, 16, "none", 4),     # 64 tiles: 264 / 64 rounds up to 5, and 4 is the largest divisor up to 5
-    (1, 5, 4096, 8, 8, "causal", 1),     # the rows' positions matter
+    (1, 5, 4096, 8, 8, "causal", 16),    # the chunks read whole-sequence key positions (kv_chunks)
     (1, 128, 4096, 1, 1, "none", 16),    # one row tile
     (1, 129, 4096, 1, 1, "none", 1),     # two row tiles: prefill, not split
-    (1, 1, 4096, 8, 8, "window", 1),
-    (1, 1, 4096, 8, 8, "alibi", 1),
+    (1, 1, 4096, 8, 8, "window", 16),
+    (1, 1, 4096, 8, 8, "alibi", 16),
+    (1, 4, 4096, 32, 8, "causal", 16),   # speculative decoding: packed (32 rows of 4 heads) and split
     (1, 1, 4096, 8, 8, "softcap", 16),
     (1, 3, 4096, 8, 8, "seqlens", 16),
-    (1, 1, 4096, 8, 8, "seqlens_causal", 1),  # a q_seqlens of 0 moves the causal diagonal
+    (1, 1, 4096, 8, 8, "seqlens_causal", 16),
     (1, 3, 4096, 8, 8, "segments", 16),
 )
 
@@ -89,9 +90,11 @@ def split_and_whole(q, k, v, splits, monkeypatch, **kwargs):
     return split, whole
 
 
+# The position features put chunk boundaries inside the visible keys: 60 keys in 4 chunks of 15, a window of
+# (5, 3), the causal diagonal of 7 queries crossing the last boundary, per-sequence lengths that move it.
 SHAPES_AND_FEATURES = [(shape, feature) for shape in ((1, 8, 2), (1, 3, 3), (7, 4, 1))
-                       for feature in ("none", "causal", "seqlens", "segments", "softcap")
-                       if not (feature == "causal" and shape[0] > 1)]  # causal with several rows is not split
+                       for feature in ("none", "causal", "seqlens", "segments", "softcap", "window",
+                                       "window_left_causal", "seqlens_causal", "alibi", "alibi_batched_causal")]
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
@@ -141,3 +144,21 @@ def test_empty_batch_runs_whole():
 def test_split_under_vmap_and_jit(monkeypatch):
     monkeypatch.setenv(_kv_split.SPLIT_KV_ENV, "4")
     assert_vmapped_jit_matches_xla(Case(batch=2, seqlen_q=1, seqlen_k=40, heads_q=8, heads_kv=2, seed=11))
+
+
+@pytest.mark.parametrize("seqlen_q", (1, 4, 9))
+def test_speculative_decoding_shapes(seqlen_q, monkeypatch):
+    """A few causal queries at the end of a long cache (bottom-right), GQA: packed and split in one forward call,
+    equal to the whole unpacked call and within the bound of the float64 reference; per-sequence cache lengths."""
+    case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=1024, heads_q=8, heads_kv=2, head_dim=32, seed=seqlen_q)
+    q, k, v = case.inputs()
+    kwargs = {"causal": True, "kv_seqlens": jnp.asarray([1024, 301], jnp.int32)}
+    calls = forward_call_operand_shapes(q, k, v, **kwargs)
+    assert calls == [((2 * 4, seqlen_q * 4, 2, 32), (2 * 4, 256, 2, 32))], calls  # 4 chunks of 256 keys
+    assert_forward_within_bound(q, k, v, case.dtype, **kwargs)
+    split = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    monkeypatch.setenv(_kv_split.SPLIT_KV_ENV, "0")
+    monkeypatch.setenv(_gqa_packing.PACK_GQA_ENV, "0")
+    whole = jax_flash.attention(q, k, v, return_lse=True, **kwargs)
+    np.testing.assert_allclose(np.asarray(split[0]), np.asarray(whole[0]), **same_attention_tolerance(q))
+    np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), **same_attention_tolerance(q, lse=True))

@@ -19,9 +19,10 @@ namespace jax_flash {
 struct SliceMask {
   int64_t valid_q = 0;        // rows at or past this are padding (fully masked)
   int64_t valid_k = 0;        // columns at or past this are padding
-  int64_t diagonal_shift = 0; // diag(i) = i + diagonal_shift
+  int64_t diagonal_shift = 0; // diag(i) = position(i) + diagonal_shift
   int64_t window_left = -1;   // -1: unbounded
   int64_t window_right = -1;  // -1: unbounded (causal forces 0)
+  int64_t packed_heads = 1;   // query rows per position (AttentionParams::packed_heads)
   float alibi_slope = 0.0f;
   const int32_t* q_segment_ids = nullptr;  // this batch row's ids, or nullptr
   const int32_t* kv_segment_ids = nullptr;
@@ -37,16 +38,22 @@ struct SliceMask {
     return mask == nullptr || mask[i * mask_strides.query + j * mask_strides.key];
   }
 
+  // The query position of row i >= 0: i itself, or under GQA packing i / packed_heads (nondecreasing in i, so
+  // a tile's first and last rows still bound its key range; rows stay below 2^32, see attention_call.cc).
+  JF_HOST_DEVICE int64_t position(int64_t i) const {
+    return packed_heads == 1 ? i
+                             : static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(packed_heads));
+  }
   // First and one-past-last key column that row i can see by position alone (segments aside).
   JF_HOST_DEVICE int64_t key_begin(int64_t i) const {
     if (window_left < 0) return 0;
-    const int64_t b = i + diagonal_shift - window_left;
+    const int64_t b = position(i) + diagonal_shift - window_left;
     return b > 0 ? b : 0;
   }
   JF_HOST_DEVICE int64_t key_end(int64_t i) const {
     if (i >= valid_q) return 0;
     if (window_right < 0) return valid_k;
-    const int64_t e = i + diagonal_shift + window_right + 1;
+    const int64_t e = position(i) + diagonal_shift + window_right + 1;
     return e < valid_k ? (e > 0 ? e : 0) : valid_k;
   }
   JF_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
@@ -65,12 +72,23 @@ JF_HOST_DEVICE int64_t broadcast_slice_offset(const BroadcastStrides& s, int64_t
 JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, int64_t h) {
   SliceMask m;
   m.valid_q = p.q_seqlens ? p.q_seqlens[b] : p.seqlen_q;
-  m.valid_k = p.kv_seqlens ? p.kv_seqlens[b] : p.seqlen_k;
   if (m.valid_q > p.seqlen_q) m.valid_q = p.seqlen_q;
-  if (m.valid_k > p.seqlen_k) m.valid_k = p.seqlen_k;
   if (m.valid_q < 0) m.valid_q = 0;
+  // The keys of the whole sequence, of which this batch row holds chunk b % kv_chunks (AttentionParams::kv_chunks).
+  const int64_t sequence_k = p.kv_chunks == 1 ? p.seqlen_k : p.seqlen_k * p.kv_chunks;
+  int64_t sequence_valid_k = p.kv_seqlens ? p.kv_seqlens[b] : sequence_k;
+  if (sequence_valid_k > sequence_k) sequence_valid_k = sequence_k;
+  if (sequence_valid_k < 0) sequence_valid_k = 0;
+  const int64_t first_key = p.kv_chunks == 1 ? 0 : (b % p.kv_chunks) * p.seqlen_k;
+  m.valid_k = sequence_valid_k - first_key;
+  if (m.valid_k > p.seqlen_k) m.valid_k = p.seqlen_k;
   if (m.valid_k < 0) m.valid_k = 0;
-  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? m.valid_k - m.valid_q : 0);
+  m.packed_heads = p.packed_heads;
+  const int64_t valid_positions = p.packed_heads == 1 ? m.valid_q : m.valid_q / p.packed_heads;
+  // Aligned to the sequence end, the last query position meets the sequence's last key; the masks then count keys
+  // from the chunk's first one.
+  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? sequence_valid_k - valid_positions : 0) -
+                     first_key;
   m.window_left = p.window_left;
   // Causal is the window's right edge pinned to the diagonal.
   m.window_right = p.causal ? 0 : p.window_right;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -122,13 +123,50 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   return ffi::Error::Success();
 }
 
+// GQA packing's rows (AttentionParams::packed_heads): whole positions, few enough for the kernels' 32-bit row ->
+// position division, and none of the operands that read a row as a position or a head.
+std::optional<ffi::Error> check_packed_heads(int64_t packed_heads, const AttentionParams& p) {
+  if (packed_heads < 1) return invalid("packed_heads must be >= 1, got " + std::to_string(packed_heads));
+  if (packed_heads == 1) return std::nullopt;
+  if (p.seqlen_q % packed_heads != 0)
+    return invalid("packed_heads (" + std::to_string(packed_heads) + ") must divide seqlen_q (" +
+                   std::to_string(p.seqlen_q) + ")");
+  if (p.seqlen_q >= (int64_t(1) << 31)) return invalid("packed calls need seqlen_q < 2^31");
+  if (p.alibi_slopes != nullptr) return invalid("alibi_slopes cannot be combined with packed_heads > 1");
+  if (p.dropout_rate > 0.0f) return invalid("dropout cannot be combined with packed_heads > 1");
+  if (p.bias != nullptr && p.bias_strides.query != 0)
+    return invalid("a bias that varies along the queries cannot be combined with packed_heads > 1");
+  if (p.mask != nullptr && p.mask_strides.query != 0)
+    return invalid("a mask that varies along the queries cannot be combined with packed_heads > 1");
+  return std::nullopt;
+}
+
+// Split-KV's batch rows (AttentionParams::kv_chunks): whole chunks of each sequence, which the vmap axes folded in
+// front of the batch keep together, a whole sequence far from int64's range, and no dropout (its draws would count
+// keys within the chunk).
+std::optional<ffi::Error> check_kv_chunks(int64_t kv_chunks, const AttentionParams& p) {
+  if (kv_chunks < 1) return invalid("kv_chunks must be >= 1, got " + std::to_string(kv_chunks));
+  if (kv_chunks == 1) return std::nullopt;
+  if (p.inner_batch % kv_chunks != 0)
+    return invalid("kv_chunks (" + std::to_string(kv_chunks) + ") must divide the batch (" +
+                   std::to_string(p.inner_batch) + ")");
+  if (kv_chunks > (int64_t(1) << 20) || p.seqlen_k * kv_chunks > (int64_t(1) << 40))
+    return invalid("kv_chunks * seqlen_k must be at most 2^40");
+  if (p.dropout_rate > 0.0f) return invalid("dropout cannot be combined with kv_chunks > 1");
+  return std::nullopt;
+}
+
 }  // namespace
 
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
                           ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer tf32_vt,
-                          const ScoreAttributes& attributes, AttentionParams* p) {
+                          const ScoreAttributes& attributes, const ForwardLayout& layout, AttentionParams* p) {
   ffi::Error error = decode_common(q, k, v, masks, o, lse, attributes, p);
   if (error.failure()) return error;
+  JF_RETURN_IF_ERROR(check_packed_heads(layout.packed_heads, *p));
+  JF_RETURN_IF_ERROR(check_kv_chunks(layout.kv_chunks, *p));
+  p->packed_heads = layout.packed_heads;
+  p->kv_chunks = layout.kv_chunks;
   // tf32_vt: absent when empty, else the float32 V^T workspace [*batch, heads_kv, per head] of a float32 call with
   // allow_tf32 and head_dim <= 128 (common/tf32_workspace.h).
   if (tf32_vt.element_count() > 0) {

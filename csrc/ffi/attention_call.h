@@ -41,10 +41,16 @@ struct ScoreAttributes {
   bool allow_tf32;
 };
 
+// How a forward call's rows map onto the attention it computes (1 and 1: directly).
+struct ForwardLayout {
+  int64_t packed_heads;  // query rows per position: GQA packing (AttentionParams::packed_heads)
+  int64_t kv_chunks;     // key chunks per sequence as batch rows: split-KV (AttentionParams::kv_chunks)
+};
+
 // tf32_vt: float32 [*batch, heads_kv, per head] (common/tf32_workspace.h), or empty.
 ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const MaskOperands& masks,
                           ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer tf32_vt,
-                          const ScoreAttributes& attributes, AttentionParams* params);
+                          const ScoreAttributes& attributes, const ForwardLayout& layout, AttentionParams* params);
 
 struct BackwardOperands {
   ffi::AnyBuffer q, k, v, o, lse, d_o, d_lse;
@@ -95,7 +101,9 @@ auto bind_forward(Binding binding) {
                                                       .template Arg<ffi::AnyBuffer>())  // v
                                    .template Ret<ffi::AnyBuffer>()                      // o
                                    .template Ret<ffi::AnyBuffer>()                      // lse
-                                   .template Ret<ffi::AnyBuffer>());                    // tf32_vt (workspace)
+                                   .template Ret<ffi::AnyBuffer>())                     // tf32_vt (workspace)
+      .template Attr<int64_t>("packed_heads")
+      .template Attr<int64_t>("kv_chunks");
 }
 
 // backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dq_accum, dbias)

@@ -23,14 +23,15 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> tf32_vt, float softmax_scale,
                         float softcap, bool causal, bool align_to_sequence_end, int64_t diagonal_offset,
-                        int64_t window_left, int64_t window_right, float dropout_rate, bool allow_tf32) {
+                        int64_t window_left, int64_t window_right, float dropout_rate, bool allow_tf32,
+                        int64_t packed_heads, int64_t kv_chunks) {
   AttentionParams params;
   ffi::Error error = decode_forward(
       q, k, v,
       {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, mask_blocks, dropout_seeds},
       *o, *lse, *tf32_vt,
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
-       dropout_rate, allow_tf32}, &params);
+       dropout_rate, allow_tf32}, {packed_heads, kv_chunks}, &params);
   if (error.failure()) return error;
   // What the kernels cannot do (float32, ...) comes back as an error from run_forward.
   return to_ffi_error(cuda::run_forward(params, stream));

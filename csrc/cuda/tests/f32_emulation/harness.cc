@@ -39,7 +39,8 @@ struct Dense {
 struct Case {
   std::string name; int B, Sq, Sk, Hq, Hkv, d; bool causal = false; int wl = -1, wr = -1; float softcap = 0;
   bool alibi = false; std::vector<int> q_lens, kv_lens; bool segments = false; bool unaligned = false;
-  Dense dense = {};
+  Dense dense = {}; int packed_heads = 1;  // GQA packing: Sq rows hold Sq / packed_heads positions
+  int kv_chunks = 1;  // split-KV: batch row b holds key chunk b % kv_chunks of its sequence
 };
 
 // Strides of an operand with the axes in `axes` (others broadcast); returns its element count.
@@ -99,7 +100,8 @@ int run_case(const Case& c, bool tf32) {
   p.q_segment_ids = c.segments ? qseg.data() : nullptr;
   p.kv_segment_ids = c.segments ? kvseg.data() : nullptr;
   p.softmax_scale = 1.0f / std::sqrt(float(c.d)); p.softcap = c.softcap; p.causal = c.causal;
-  p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32;
+  p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32; p.packed_heads = c.packed_heads;
+  p.kv_chunks = c.kv_chunks;
   p.d_o = d_o.p(); p.d_lse = dlse.p(); p.dq = dq.p(); p.dk = dk.p(); p.dv = dv.p(); p.softmax_d = sd.p();
   p.inner_batch = c.B; p.outer_batch = 1;
   if (n_bias) { p.bias = bias.p(); p.bias_strides = bias_s; p.dbias = dbias.p(); }
@@ -265,6 +267,18 @@ int main() {
       false, true, {"", "bqk", 0.3f}}, 64},
     {{"d=128 dropout 0.2 + bias [B,H,1,Sk] atomic, seqlens", 2, 65, 70, 2, 2, 128, true, -1, -1, 0, false,
       {65, 30}, {70, 40}, false, false, {"bhk", "", 0.2f}}, 128},
+    // GQA packing (AttentionParams::packed_heads): rows of 4 heads per position; the reference reads the same
+    // SliceMask, whose position map the Python tests check against unpacked calls.
+    {{"packed 4 heads causal 35 positions x 60, seqlens", 2, 140, 60, 1, 1, 64, true, -1, -1, 0, false, {140, 48},
+      {60, 21}, false, false, {}, 4}, 64},
+    {{"packed 8 heads window 9/0 segments 17 positions x 40", 1, 136, 40, 2, 1, 40, false, 9, 0, 0, false, {}, {},
+      true, false, {"", "bk"}, 8}, 64},
+    // Split-KV (AttentionParams::kv_chunks): 2 sequences x 3 chunks of 50 keys, whole-sequence kv lengths (the
+    // last chunk of the second sequence empty), bottom-right causal and ALiBi across chunk boundaries.
+    {{"3 key chunks causal alibi 7x50, kvlens", 6, 7, 50, 2, 1, 64, true, -1, -1, 0, true, {}, {150, 150, 150, 90, 90,
+      90}, false, false, {}, 1, 3}, 64},
+    {{"packed 4 heads x 2 key chunks window 20/0", 4, 24, 64, 1, 1, 32, false, 20, 0, 0, false, {}, {}, false, false,
+      {}, 4, 2}, 32},
   };
   int fails = 0;
   for (auto& [c, D] : cases)
