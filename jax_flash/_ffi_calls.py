@@ -28,6 +28,13 @@ def _score_attributes(config: ScoreConfig) -> dict[str, object]:
     )
 
 
+def _forward_attributes(config: ScoreConfig) -> dict[str, object]:
+    """The forward call's attributes: the score attributes and how its rows map onto the attention (GQA packing's
+    ``packed_heads``, split-KV's ``kv_chunks``)."""
+    return dict(_score_attributes(config), packed_heads=np.int64(config.packed_heads),
+                kv_chunks=np.int64(config.kv_chunks))
+
+
 def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
             dims: tuple[int, ...] | None = None) -> jax.core.ShapedArray:
     """A result type carrying ``like``'s sharding typing, which XLA does not infer for custom calls: the mesh
@@ -93,8 +100,7 @@ def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands,
                  if _uses_tf32_workspace(q, masks, config, dense) else jax.ShapeDtypeStruct((0,), jnp.float32))
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS), workspace)
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
-    o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_score_attributes(config),
-                     packed_heads=np.int64(config.packed_heads), kv_chunks=np.int64(config.kv_chunks))
+    o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_forward_attributes(config))
     return o, lse
 
 

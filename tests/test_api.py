@@ -291,7 +291,8 @@ def test_raw_target_rejects_overflowing_diagonal():
         jax.block_until_ready(call(q, k, v, *masks, *dense, softmax_scale=np.float32(1.0), softcap=np.float32(0.0),
                                    causal=False, align_to_sequence_end=True, diagonal_offset=np.int64(2 ** 62),
                                    window_left=np.int64(2 ** 62), window_right=np.int64(2 ** 62),
-                                   dropout_rate=np.float32(0.0), allow_tf32=False))
+                                   dropout_rate=np.float32(0.0), allow_tf32=False, packed_heads=np.int64(1),
+                                   kv_chunks=np.int64(1)))
 
 
 def test_wide_integer_lengths_and_ids_under_x64():

@@ -147,11 +147,12 @@ def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
     masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
     dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
              jnp.zeros((2, 0), jnp.uint32)]
-    attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=0.1))
+    config = ScoreConfig(softmax_scale=0.1)
+    attributes = _ffi_calls._score_attributes(config)
     stats = jax.ShapeDtypeStruct((2, 4, 70), jnp.float32)
     o, lse, _ = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats,
                                                                 jax.ShapeDtypeStruct((0,), jnp.float32)))(
-        q, k, v, *masks, *dense, **attributes)
+        q, k, v, *masks, *dense, **_ffi_calls._forward_attributes(config))
 
     def backward(workspace_shape):
         call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (

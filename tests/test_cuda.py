@@ -580,10 +580,11 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
     masks = [jnp.zeros((batch, 0), jnp.float32)] + [jnp.zeros((batch, 0), jnp.int32)] * 4
     dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), mask, summary, jnp.zeros((batch, 0), jnp.uint32)]
     masks, dense = _on(GPUS[0], *masks), _on(GPUS[0], *dense)
-    attributes = _ffi_calls._score_attributes(ScoreConfig(softmax_scale=1.0 / np.sqrt(head_dim)))
+    config = ScoreConfig(softmax_scale=1.0 / np.sqrt(head_dim))
+    attributes = _ffi_calls._score_attributes(config)
     forward = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats,
                                                               jax.ShapeDtypeStruct((0,), jnp.float32)))
-    o, lse, _ = forward(q, k, v, *masks, *dense, **attributes)
+    o, lse, _ = forward(q, k, v, *masks, *dense, **_ffi_calls._forward_attributes(config))
     backward = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
         jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype), stats,
