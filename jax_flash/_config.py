@@ -48,10 +48,11 @@ class ScoreConfig:
     ``j <= diag(i)``; the window keeps ``diag(i) - window_left <= j <= diag(i) + window_right`` (-1: unbounded).
     ``dropout_rate`` needs ``DenseOperands.dropout_seeds``. ``allow_tf32``: float32 inputs may be multiplied on
     TF32 tensor cores on the GPU (float32 accumulation); False keeps every product in float32. ``packed_heads``
-    (forward calls only, set by ``_gqa_packing``): query rows per position, row ``i`` being position
-    ``i // packed_heads`` for the position masks. ``kv_chunks`` (forward calls only, set by ``_kv_split``): each
-    sequence's keys arrive as that many consecutive batch rows of ``seqlen_k`` keys each, ``kv_seqlens`` counting
-    the whole sequence; the masks read whole-sequence key positions.
+    (forward calls only, set by ``_gqa_packing``; a power of two): query rows per position, row ``i`` being position
+    ``i // packed_heads`` for the position masks; 1 where no mask reads a position. ``kv_chunks`` (forward calls
+    only, set by ``_kv_split``): each sequence's keys arrive as that many consecutive batch rows of ``seqlen_k`` keys
+    each, with ``kv_seqlens`` counted from each row's first key (unclamped), so that the masks read whole-sequence
+    key positions.
     """
 
     softmax_scale: float

@@ -9,8 +9,10 @@ one tile holds all eight rows and K/V are read once per group.
 Row ``s * G + g`` of the packed call is position ``s`` of query head ``kv_head * G + g``. The per-row masks carry
 over exactly: ``q_seqlens`` scale by ``G`` (row ``s * G + g`` is valid iff ``s < q_seqlens``), ``q_segment_ids``
 repeat ``G`` times. The position masks (causal, window) read row ``r`` as position ``r // G``: the call carries
-``G`` as ``packed_heads`` (``ScoreConfig``; ``SliceMask::position`` in csrc/common/score_pipeline.h), so causal
-and windowed calls pack too (speculative decoding, chunked prefill). Not packed: ALiBi (its slope is the row's head, its distance the row's
+``G`` as ``packed_heads`` (``ScoreConfig``; ``SliceMask::position`` in csrc/common/score_pipeline.h, a shift, so
+``G`` must be a power of two there), so causal and windowed calls pack too (speculative decoding, chunked prefill).
+A causal call with ``Sq = 1`` (bottom-right aligned, no offset, no ``q_seqlens``), where the one query sees every
+key, runs without its causal flag and so packs for any ``G``. Not packed: ALiBi (its slope is the row's head, its distance the row's
 position), a bias, a boolean mask or dropout (per-head operands, and dropout's per-row random stream). The
 backward is not packed: it gets ``o`` and ``lse`` in the usual layout.
 
@@ -87,9 +89,17 @@ def group_to_pack(q: jax.Array, k: jax.Array, masks: MaskOperands, config: Score
         return 1  # no tile saved (seqlen_q a multiple of the tile height)
     if has_dense_operands(q, k, masks, config, dense) or masks.alibi_slopes.shape[-1] != 0:
         return 1
+    if _reads_query_positions(q, masks, config) and group & (group - 1):
+        return 1  # the kernels map a packed row to its position by a shift
     if not _query_axes_replicated(q):
         return 1
     return group
+
+
+def _reads_query_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig) -> bool:
+    """Whether a mask of the packed call reads a row's position: a window, or causal where it is not moot."""
+    return config.window_left >= 0 or config.window_right >= 0 or (
+        config.causal and not _causal_is_moot(q, masks, config))
 
 
 def pack(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
@@ -105,7 +115,10 @@ def pack(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     q_segment_ids = (jnp.repeat(masks.q_segment_ids, group, axis=1) if masks.q_segment_ids.shape[-1]
                      else masks.q_segment_ids)
     masks = masks._replace(q_seqlens=q_seqlens, q_segment_ids=q_segment_ids)
-    config = dataclasses.replace(config, packed_heads=group)
+    if _reads_query_positions(q, masks, config):
+        config = dataclasses.replace(config, packed_heads=group)
+    else:  # nothing reads a position (a moot causal mask included): the kernels see plain rows
+        config = dataclasses.replace(config, causal=False, packed_heads=1)
     return packed, masks, config
 
 

@@ -8,8 +8,9 @@ call (``seqlen_q`` 1, even with GQA packing) has only ``batch * heads`` tiles, o
 How: ``k [B, Sk, H, D]`` reshapes (no copy) to ``[B * n, Sk / n, H, D]``; ``q`` and the per-row operands repeat
 ``n`` times (a few rows), ``kv_segment_ids`` reshape with the keys. The call carries ``n`` as ``kv_chunks``
 (``ScoreConfig``; ``make_slice_mask`` in csrc/common/score_pipeline.h): batch row ``b * n + i`` holds keys from
-``i * Sk / n`` on, and its ``kv_seqlens`` (repeated) still count the whole sequence, so that causal masks, windows and
-ALiBi read whole-sequence key positions and the causal diagonal stays aligned to the sequence end. Chunk ``i``
+``i * Sk / n`` on, and its ``kv_seqlens`` are the sequence's length less that first key, not cut to the chunk, so
+that the causal diagonal stays aligned to the sequence's end and causal masks, windows and ALiBi read
+whole-sequence key positions (the kernels cut the length to the chunk for the bounds). Chunk ``i``
 returns ``o_i`` and ``lse_i``; the call's result is ``lse = log(sum_i exp(lse_i))`` and
 ``o = sum_i exp(lse_i - lse) o_i`` (float32 sums; a row no chunk lets see a key keeps ``o = 0``, ``lse = -inf``).
 
@@ -108,18 +109,23 @@ def split_forward(call: ForwardCall, q: jax.Array, k: jax.Array, v: jax.Array, m
     and merges them. Only for calls ``splits_for`` chose (of the dense operands only a key-only mask, which is
     chunked with the keys)."""
     batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    lengths = (jnp.clip(masks.kv_seqlens, 0, seqlen_k) if masks.kv_seqlens.shape[-1]
+               else jnp.full((batch, 1), seqlen_k, jnp.int32))
+    starts = jnp.arange(splits, dtype=jnp.int32) * (seqlen_k // splits)
+    kv_seqlens = (lengths - starts[None, :]).reshape(batch * splits, 1)
     kv_segment_ids = masks.kv_segment_ids
     kv_segment_ids = _chunked(kv_segment_ids, splits) if kv_segment_ids.shape[-1] else _repeated(kv_segment_ids,
                                                                                                  splits)
     chunk_masks = MaskOperands(alibi_slopes=_repeated(masks.alibi_slopes, splits),
                                q_seqlens=_repeated(masks.q_seqlens, splits),
-                               kv_seqlens=_repeated(masks.kv_seqlens, splits),
+                               kv_seqlens=kv_seqlens,
                                q_segment_ids=_repeated(masks.q_segment_ids, splits),
                                kv_segment_ids=kv_segment_ids)
     config = dataclasses.replace(config, kv_chunks=splits)
     chunk_dense = DenseOperands.absent(batch * splits)
     if dense.has_mask:
-        chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, k.shape[1], splits))
+        chunk_dense = chunk_dense._replace(mask=_chunked_key_mask(dense.mask, batch, seqlen_k, splits))
     o, lse = call(_repeated(q, splits), _chunked(k, splits), _chunked(v, splits), chunk_masks, config, chunk_dense)
     o = o.reshape(batch, splits, seqlen_q, heads, head_dim)
     lse = lse.reshape(batch, splits, heads, seqlen_q)

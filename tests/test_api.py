@@ -172,7 +172,8 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
 
 
 @pytest.mark.parametrize("problem,match", [
-    ("packed_heads_0", "packed_heads must be >= 1"), ("packed_heads_19_rows", "must divide seqlen_q"),
+    ("packed_heads_0", "packed_heads must be a power of two"), ("packed_heads_3", "packed_heads must be a power"),
+    ("packed_heads_19_rows", "must divide seqlen_q"), ("kv_chunks_without_lengths", "needs kv_seqlens"),
     ("packed_heads_alibi", "alibi_slopes cannot"), ("packed_heads_query_mask", "mask that varies along the queries"),
     ("kv_chunks_0", "kv_chunks must be >= 1"), ("kv_chunks_batch", "must divide the batch"),
     ("kv_chunks_dropout", "dropout cannot be combined with kv_chunks")])
@@ -185,6 +186,11 @@ def test_raw_target_rejects_bad_row_layouts(problem, match):
                     jnp.zeros((1, 1, 1, 0), jnp.uint8), jnp.zeros((2, 0), jnp.uint32)]
     if problem == "packed_heads_0":
         kwargs = dict(packed_heads=0)
+    elif problem == "packed_heads_3":
+        q = q[:, :18]
+        kwargs = dict(packed_heads=3)
+    elif problem == "kv_chunks_without_lengths":
+        kwargs = dict(kv_chunks=2)
     elif problem == "packed_heads_19_rows":
         kwargs = dict(packed_heads=2)
     elif problem == "packed_heads_alibi":
@@ -198,9 +204,10 @@ def test_raw_target_rejects_bad_row_layouts(problem, match):
     elif problem == "kv_chunks_0":
         kwargs = dict(kv_chunks=0)
     elif problem == "kv_chunks_batch":
-        kwargs = dict(kv_chunks=3)
+        kwargs, masks = dict(kv_chunks=3), absent_masks[:2] + [jnp.full((2, 1), 23, jnp.int32)] + absent_masks[3:]
     elif problem == "kv_chunks_dropout":
-        kwargs = dict(kv_chunks=2, dropout_rate=0.1)
+        kwargs, masks = dict(kv_chunks=2, dropout_rate=0.1), absent_masks[:2] + [jnp.full((2, 1), 23, jnp.int32)] + \
+            absent_masks[3:]
         dense = absent_dense[:3] + [jnp.ones((2, 2), jnp.uint32)]
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, q.shape[1]), masks, dense, **kwargs))

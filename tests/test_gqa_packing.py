@@ -37,6 +37,10 @@ DECISIONS = (
     (5, 8, 2, "alibi_batched_causal", False),
     (5, 8, 2, "seqlens", True),
     (1, 8, 2, "seqlens_causal", True),
+    (5, 6, 2, "causal", False),          # G = 3: the kernels map rows to positions by a shift
+    (5, 6, 2, "window", False),
+    (1, 6, 2, "causal", True),           # one query row: causal masks nothing, and the call runs without it
+    (5, 6, 2, "softcap", True),          # no position read: any G
     (5, 8, 2, "segments", True),
     (5, 8, 2, "softcap", True),
     (5, 4, 4, "none", False),            # no group to pack
@@ -88,15 +92,20 @@ def test_packed_call_carries_the_group_for_position_masks(monkeypatch):
     assert "packed_heads = 1" in plain
 
 
-# Masks that read a packed row's position (causal, window, per-sequence diagonal), on query lengths whose packed
-# rows cross tile boundaries (33 * 6 = 198 rows: two 128-row tiles) and on keys both shorter and longer than them.
+# Masks that read a packed row's position (causal, window, per-sequence diagonal), also on packed rows that cross a
+# tile boundary (33 * 4 = 132 rows: two 128-row tiles).
 POSITION_FEATURES = ("causal", "window", "window_left_causal", "seqlens_causal")
 
 
+PACKED_CASES = ([(shape, feature) for shape in ((1, 8, 2), (7, 4, 1), (33, 8, 2))
+                 for feature in ("none", "seqlens", "segments", "softcap") + POSITION_FEATURES]
+                + [((33, 6, 2), feature) for feature in ("none", "seqlens", "segments")])  # G = 3, no position read
+
+
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("feature", ("none", "seqlens", "segments", "softcap") + POSITION_FEATURES)
-@pytest.mark.parametrize("seqlen_q,heads_q,heads_kv", ((1, 8, 2), (7, 4, 1), (33, 6, 2)))
-def test_packed_values_and_gradients(seqlen_q, heads_q, heads_kv, feature, dtype, monkeypatch):
+@pytest.mark.parametrize("shape,feature", PACKED_CASES)
+def test_packed_values_and_gradients(shape, feature, dtype, monkeypatch):
+    seqlen_q, heads_q, heads_kv = shape
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
     case = Case(seqlen_q=seqlen_q, seqlen_k=50, heads_q=heads_q, heads_kv=heads_kv, head_dim=24, dtype=dtype,
                 seed=seqlen_q + heads_q)

@@ -83,16 +83,17 @@ struct AttentionParams {
   int64_t diagonal_offset = 0;
   int64_t window_left = -1;
   int64_t window_right = -1;
-  // GQA packing (jax_flash/_gqa_packing.py), forward calls only: the query heads sharing a KV head are rows of one
-  // query sequence, row i being position i / packed_heads of head i % packed_heads, so the position masks above
-  // read i / packed_heads wherever they say i (q_seqlens count rows: packed_heads times the positions). Calls
-  // with packed_heads > 1 have no ALiBi, dropout, or bias / mask that varies along the queries (the FFI boundary
-  // refuses them): those read the row itself as a position or a head.
-  int64_t packed_heads = 1;
-  // Split-KV (jax_flash/_kv_split.py), forward calls only: each sequence's keys are kv_chunks equal chunks of
-  // seqlen_k keys, batch row b holding chunk b % kv_chunks (keys from (b % kv_chunks) * seqlen_k on), so the position
-  // masks, ALiBi and the alignment to the sequence end read whole-sequence key positions; kv_seqlens are lengths of
-  // the whole sequence. Without dropout (the FFI boundary refuses it): its draws count keys within the batch row.
+  // GQA packing (jax_flash/_gqa_packing.py), forward calls only: the 2^position_shift query heads sharing a KV head
+  // are rows of one query sequence, row i being position i >> position_shift of head i % 2^position_shift, and the
+  // position masks above read the position wherever they say i (q_seqlens count rows). Calls with position_shift > 0
+  // have no ALiBi, dropout, or bias / mask that varies along the queries (the FFI boundary refuses them): those read
+  // the row itself as a position or a head.
+  int32_t position_shift = 0;
+  // Split-KV (jax_flash/_kv_split.py), forward calls only: each sequence's keys are kv_chunks chunks of seqlen_k keys,
+  // consecutive batch rows, and kv_seqlens (required then) count from each row's first key, unclamped: a chunk before
+  // the sequence's end has more than seqlen_k, one past it none or fewer. The alignment to the sequence end reads
+  // them as they are, so the position masks and ALiBi see whole-sequence key positions. No dropout (the FFI
+  // boundary refuses it): its draws count keys within the batch row.
   int64_t kv_chunks = 1;
 };
 

@@ -22,7 +22,7 @@ struct SliceMask {
   int64_t diagonal_shift = 0; // diag(i) = position(i) + diagonal_shift
   int64_t window_left = -1;   // -1: unbounded
   int64_t window_right = -1;  // -1: unbounded (causal forces 0)
-  int64_t packed_heads = 1;   // query rows per position (AttentionParams::packed_heads)
+  int32_t position_shift = 0; // row i is query position i >> position_shift (AttentionParams::position_shift)
   float alibi_slope = 0.0f;
   const int32_t* q_segment_ids = nullptr;  // this batch row's ids, or nullptr
   const int32_t* kv_segment_ids = nullptr;
@@ -38,12 +38,9 @@ struct SliceMask {
     return mask == nullptr || mask[i * mask_strides.query + j * mask_strides.key];
   }
 
-  // The query position of row i >= 0: i itself, or under GQA packing i / packed_heads (nondecreasing in i, so
-  // a tile's first and last rows still bound its key range; rows stay below 2^32, see attention_call.cc).
-  JF_HOST_DEVICE int64_t position(int64_t i) const {
-    return packed_heads == 1 ? i
-                             : static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(packed_heads));
-  }
+  // The query position of row i >= 0: i itself, or under GQA packing i / 2^position_shift. Nondecreasing in i, so
+  // a tile's first and last rows still bound its key range.
+  JF_HOST_DEVICE int64_t position(int64_t i) const { return i >> position_shift; }
   // First and one-past-last key column that row i can see by position alone (segments aside).
   JF_HOST_DEVICE int64_t key_begin(int64_t i) const {
     if (window_left < 0) return 0;
@@ -74,21 +71,13 @@ JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, in
   m.valid_q = p.q_seqlens ? p.q_seqlens[b] : p.seqlen_q;
   if (m.valid_q > p.seqlen_q) m.valid_q = p.seqlen_q;
   if (m.valid_q < 0) m.valid_q = 0;
-  // The keys of the whole sequence, of which this batch row holds chunk b % kv_chunks (AttentionParams::kv_chunks).
-  const int64_t sequence_k = p.kv_chunks == 1 ? p.seqlen_k : p.seqlen_k * p.kv_chunks;
-  int64_t sequence_valid_k = p.kv_seqlens ? p.kv_seqlens[b] : sequence_k;
-  if (sequence_valid_k > sequence_k) sequence_valid_k = sequence_k;
-  if (sequence_valid_k < 0) sequence_valid_k = 0;
-  const int64_t first_key = p.kv_chunks == 1 ? 0 : (b % p.kv_chunks) * p.seqlen_k;
-  m.valid_k = sequence_valid_k - first_key;
-  if (m.valid_k > p.seqlen_k) m.valid_k = p.seqlen_k;
-  if (m.valid_k < 0) m.valid_k = 0;
-  m.packed_heads = p.packed_heads;
-  const int64_t valid_positions = p.packed_heads == 1 ? m.valid_q : m.valid_q / p.packed_heads;
-  // Aligned to the sequence end, the last query position meets the sequence's last key; the masks then count keys
-  // from the chunk's first one.
-  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? sequence_valid_k - valid_positions : 0) -
-                     first_key;
+  const int64_t kv_length = p.kv_seqlens ? p.kv_seqlens[b] : p.seqlen_k;
+  m.valid_k = kv_length > p.seqlen_k ? p.seqlen_k : (kv_length < 0 ? 0 : kv_length);
+  // Split-KV (kv_chunks > 1): kv_length counts from this row's first key and may lie past either end of the chunk;
+  // the sequence's end, where the diagonal aligns, is there all the same.
+  const int64_t aligned_k = p.kv_chunks > 1 ? kv_length : m.valid_k;
+  m.position_shift = p.position_shift;
+  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? aligned_k - (m.valid_q >> p.position_shift) : 0);
   m.window_left = p.window_left;
   // Causal is the window's right edge pinned to the diagonal.
   m.window_right = p.causal ? 0 : p.window_right;

@@ -123,15 +123,15 @@ ffi::Error decode_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, c
   return ffi::Error::Success();
 }
 
-// GQA packing's rows (AttentionParams::packed_heads): whole positions, few enough for the kernels' 32-bit row ->
-// position division, and none of the operands that read a row as a position or a head.
+// GQA packing's rows (AttentionParams::position_shift): a power of two of heads (a shift maps a row to its position),
+// whole positions, and none of the operands that read a row as a position or a head.
 std::optional<ffi::Error> check_packed_heads(int64_t packed_heads, const AttentionParams& p) {
-  if (packed_heads < 1) return invalid("packed_heads must be >= 1, got " + std::to_string(packed_heads));
+  if (packed_heads < 1 || packed_heads > (int64_t(1) << 20) || (packed_heads & (packed_heads - 1)) != 0)
+    return invalid("packed_heads must be a power of two up to 2^20, got " + std::to_string(packed_heads));
   if (packed_heads == 1) return std::nullopt;
   if (p.seqlen_q % packed_heads != 0)
     return invalid("packed_heads (" + std::to_string(packed_heads) + ") must divide seqlen_q (" +
                    std::to_string(p.seqlen_q) + ")");
-  if (p.seqlen_q >= (int64_t(1) << 31)) return invalid("packed calls need seqlen_q < 2^31");
   if (p.alibi_slopes != nullptr) return invalid("alibi_slopes cannot be combined with packed_heads > 1");
   if (p.dropout_rate > 0.0f) return invalid("dropout cannot be combined with packed_heads > 1");
   if (p.bias != nullptr && p.bias_strides.query != 0)
@@ -142,16 +142,15 @@ std::optional<ffi::Error> check_packed_heads(int64_t packed_heads, const Attenti
 }
 
 // Split-KV's batch rows (AttentionParams::kv_chunks): whole chunks of each sequence, which the vmap axes folded in
-// front of the batch keep together, a whole sequence far from int64's range, and no dropout (its draws would count
-// keys within the chunk).
+// front of the batch keep together, their kv_seqlens (counted from each row's first key), and no dropout (its draws
+// would count keys within the chunk).
 std::optional<ffi::Error> check_kv_chunks(int64_t kv_chunks, const AttentionParams& p) {
   if (kv_chunks < 1) return invalid("kv_chunks must be >= 1, got " + std::to_string(kv_chunks));
   if (kv_chunks == 1) return std::nullopt;
   if (p.inner_batch % kv_chunks != 0)
     return invalid("kv_chunks (" + std::to_string(kv_chunks) + ") must divide the batch (" +
                    std::to_string(p.inner_batch) + ")");
-  if (kv_chunks > (int64_t(1) << 20) || p.seqlen_k * kv_chunks > (int64_t(1) << 40))
-    return invalid("kv_chunks * seqlen_k must be at most 2^40");
+  if (p.kv_seqlens == nullptr) return invalid("kv_chunks > 1 needs kv_seqlens (counted from each chunk's first key)");
   if (p.dropout_rate > 0.0f) return invalid("dropout cannot be combined with kv_chunks > 1");
   return std::nullopt;
 }
@@ -165,7 +164,7 @@ ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, 
   if (error.failure()) return error;
   JF_RETURN_IF_ERROR(check_packed_heads(layout.packed_heads, *p));
   JF_RETURN_IF_ERROR(check_kv_chunks(layout.kv_chunks, *p));
-  p->packed_heads = layout.packed_heads;
+  while ((int64_t(1) << p->position_shift) < layout.packed_heads) ++p->position_shift;
   p->kv_chunks = layout.kv_chunks;
   // tf32_vt: absent when empty, else the float32 V^T workspace [*batch, heads_kv, per head] of a float32 call with
   // allow_tf32 and head_dim <= 128 (common/tf32_workspace.h).

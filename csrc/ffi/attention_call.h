@@ -43,7 +43,7 @@ struct ScoreAttributes {
 
 // How a forward call's rows map onto the attention it computes (1 and 1: directly).
 struct ForwardLayout {
-  int64_t packed_heads;  // query rows per position: GQA packing (AttentionParams::packed_heads)
+  int64_t packed_heads;  // query rows per position, a power of two: GQA packing (AttentionParams::position_shift)
   int64_t kv_chunks;     // key chunks per sequence as batch rows: split-KV (AttentionParams::kv_chunks)
 };
 

@@ -33,19 +33,20 @@ JF_HOST_DEVICE TileSpan key_tiles_for_rows(const SliceMask& mask, int64_t row_be
 
 // Query tiles of height `block_m` with a row that can see a key in [key_begin, key_begin + keys). Row i sees
 // key j iff key_begin(i) <= j < key_end(i); solving both bounds for i's position gives one contiguous range of
-// positions, whose rows are packed_heads times as many.
+// positions, whose rows are 2^position_shift times as many.
 JF_HOST_DEVICE TileSpan query_tiles_for_keys(const SliceMask& mask, int64_t key_begin, int keys, int block_m) {
   int64_t key_end = key_begin + keys;
   if (key_end > mask.valid_k) key_end = mask.valid_k;
   if (key_end <= key_begin) return {};
   int64_t first_row = 0;
   int64_t end_row = mask.valid_q;
+  const int64_t rows_per_position = int64_t(1) << mask.position_shift;
   if (mask.window_right >= 0) {
-    const int64_t r = (key_begin - mask.diagonal_shift - mask.window_right) * mask.packed_heads;
+    const int64_t r = (key_begin - mask.diagonal_shift - mask.window_right) * rows_per_position;
     if (r > first_row) first_row = r;
   }
   if (mask.window_left >= 0) {
-    const int64_t r = (key_end - mask.diagonal_shift + mask.window_left) * mask.packed_heads;
+    const int64_t r = (key_end - mask.diagonal_shift + mask.window_left) * rows_per_position;
     if (r < end_row) end_row = r;
   }
   if (end_row <= first_row) return {};

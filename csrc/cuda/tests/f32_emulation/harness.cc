@@ -100,7 +100,8 @@ int run_case(const Case& c, bool tf32) {
   p.q_segment_ids = c.segments ? qseg.data() : nullptr;
   p.kv_segment_ids = c.segments ? kvseg.data() : nullptr;
   p.softmax_scale = 1.0f / std::sqrt(float(c.d)); p.softcap = c.softcap; p.causal = c.causal;
-  p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32; p.packed_heads = c.packed_heads;
+  p.window_left = c.wl; p.window_right = c.wr; p.allow_tf32 = tf32;
+  while ((1 << p.position_shift) < c.packed_heads) ++p.position_shift;
   p.kv_chunks = c.kv_chunks;
   p.d_o = d_o.p(); p.d_lse = dlse.p(); p.dq = dq.p(); p.dk = dk.p(); p.dv = dv.p(); p.softmax_d = sd.p();
   p.inner_batch = c.B; p.outer_batch = 1;
@@ -267,18 +268,19 @@ int main() {
       false, true, {"", "bqk", 0.3f}}, 64},
     {{"d=128 dropout 0.2 + bias [B,H,1,Sk] atomic, seqlens", 2, 65, 70, 2, 2, 128, true, -1, -1, 0, false,
       {65, 30}, {70, 40}, false, false, {"bhk", "", 0.2f}}, 128},
-    // GQA packing (AttentionParams::packed_heads): rows of 4 heads per position; the reference reads the same
+    // GQA packing (AttentionParams::position_shift): rows of 4 heads per position; the reference reads the same
     // SliceMask, whose position map the Python tests check against unpacked calls.
     {{"packed 4 heads causal 35 positions x 60, seqlens", 2, 140, 60, 1, 1, 64, true, -1, -1, 0, false, {140, 48},
       {60, 21}, false, false, {}, 4}, 64},
     {{"packed 8 heads window 9/0 segments 17 positions x 40", 1, 136, 40, 2, 1, 40, false, 9, 0, 0, false, {}, {},
       true, false, {"", "bk"}, 8}, 64},
-    // Split-KV (AttentionParams::kv_chunks): 2 sequences x 3 chunks of 50 keys, whole-sequence kv lengths (the
-    // last chunk of the second sequence empty), bottom-right causal and ALiBi across chunk boundaries.
-    {{"3 key chunks causal alibi 7x50, kvlens", 6, 7, 50, 2, 1, 64, true, -1, -1, 0, true, {}, {150, 150, 150, 90, 90,
-      90}, false, false, {}, 1, 3}, 64},
-    {{"packed 4 heads x 2 key chunks window 20/0", 4, 24, 64, 1, 1, 32, false, 20, 0, 0, false, {}, {}, false, false,
-      {}, 4, 2}, 32},
+    // Split-KV (AttentionParams::kv_chunks): 2 sequences of 150 and 90 keys x 3 chunks of 50 keys, kv lengths counted
+    // from each chunk's first key (the last chunk of the second sequence empty), bottom-right causal and ALiBi across
+    // chunk boundaries.
+    {{"3 key chunks causal alibi 7x50, kvlens", 6, 7, 50, 2, 1, 64, true, -1, -1, 0, true, {}, {150, 100, 50, 90, 40,
+      -10}, false, false, {}, 1, 3}, 64},
+    {{"packed 4 heads x 2 key chunks window 20/0", 4, 24, 64, 1, 1, 32, false, 20, 0, 0, false, {}, {128, 64, 128, 64},
+      false, false, {}, 4, 2}, 32},
   };
   int fails = 0;
   for (auto& [c, D] : cases)
