@@ -12,9 +12,9 @@ repeat ``G`` times. The position masks (causal, window) read row ``r`` as positi
 ``G`` as ``packed_heads`` (``ScoreConfig``; ``SliceMask::position`` in csrc/common/score_pipeline.h, a shift, so
 ``G`` must be a power of two there), so causal and windowed calls pack too (speculative decoding, chunked prefill).
 A causal call with ``Sq = 1`` (bottom-right aligned, no offset, no ``q_seqlens``), where the one query sees every
-key, runs without its causal flag and so packs for any ``G``. Not packed: ALiBi (its slope is the row's head, its distance the row's
-position), a bias, a boolean mask or dropout (per-head operands, and dropout's per-row random stream). The
-backward is not packed: it gets ``o`` and ``lse`` in the usual layout.
+key, runs without its causal flag and so packs for any ``G``. Not packed: ALiBi (its slope is the row's head, its
+distance the row's position), a bias, a boolean mask or dropout (per-head operands, and dropout's per-row random
+stream). The backward is not packed: it gets ``o`` and ``lse`` in the usual layout.
 
 ``JAX_FLASH_PACK_GQA`` (read when the forward is traced): unset or ``1`` packs where it applies, ``0`` never.
 """
