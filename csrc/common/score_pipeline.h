@@ -22,7 +22,6 @@ struct SliceMask {
   int64_t diagonal_shift = 0; // diag(i) = position(i) + diagonal_shift
   int64_t window_left = -1;   // -1: unbounded
   int64_t window_right = -1;  // -1: unbounded (causal forces 0)
-  int32_t position_shift = 0; // row i is query position i >> position_shift (AttentionParams::position_shift)
   float alibi_slope = 0.0f;
   const int32_t* q_segment_ids = nullptr;  // this batch row's ids, or nullptr
   const int32_t* kv_segment_ids = nullptr;
@@ -30,6 +29,7 @@ struct SliceMask {
   BroadcastStrides bias_strides;
   const bool* mask = nullptr;              // likewise
   BroadcastStrides mask_strides;
+  int32_t position_shift = 0;  // row i is query position i >> position_shift (AttentionParams::position_shift)
 
   JF_HOST_DEVICE float bias_at(int64_t i, int64_t j) const {
     return bias ? bias[i * bias_strides.query + j * bias_strides.key] : 0.0f;
@@ -66,18 +66,27 @@ JF_HOST_DEVICE int64_t broadcast_slice_offset(const BroadcastStrides& s, int64_t
   return (b / inner_batch) * s.outer + (b % inner_batch) * s.batch + h * s.head;
 }
 
-JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, int64_t h) {
+// kRowLayouts: whether the call may be packed or chunked (AttentionParams::position_shift, kv_chunks); backward calls
+// never are (make_slice_mask's AttentionBackwardParams overload), so their kernels compile without that code.
+template <bool kRowLayouts>
+JF_HOST_DEVICE SliceMask make_slice_mask_with(const AttentionParams& p, int64_t b, int64_t h) {
   SliceMask m;
   m.valid_q = p.q_seqlens ? p.q_seqlens[b] : p.seqlen_q;
-  if (m.valid_q > p.seqlen_q) m.valid_q = p.seqlen_q;
-  if (m.valid_q < 0) m.valid_q = 0;
   const int64_t kv_length = p.kv_seqlens ? p.kv_seqlens[b] : p.seqlen_k;
-  m.valid_k = kv_length > p.seqlen_k ? p.seqlen_k : (kv_length < 0 ? 0 : kv_length);
-  // Split-KV (kv_chunks > 1): kv_length counts from this row's first key and may lie past either end of the chunk;
-  // the sequence's end, where the diagonal aligns, is there all the same.
-  const int64_t aligned_k = p.kv_chunks > 1 ? kv_length : m.valid_k;
-  m.position_shift = p.position_shift;
-  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? aligned_k - (m.valid_q >> p.position_shift) : 0);
+  m.valid_k = kv_length;
+  if (m.valid_q > p.seqlen_q) m.valid_q = p.seqlen_q;
+  if (m.valid_k > p.seqlen_k) m.valid_k = p.seqlen_k;
+  if (m.valid_q < 0) m.valid_q = 0;
+  if (m.valid_k < 0) m.valid_k = 0;
+  int64_t aligned_k = m.valid_k, aligned_q = m.valid_q;  // where the sequences end, for the alignment below
+  if constexpr (kRowLayouts) {
+    // Split-KV (kv_chunks > 1): kv_length counts from this row's first key and may lie past either end of the
+    // chunk; the sequence's end, where the diagonal aligns, is there all the same. Packed: rows >> shift positions.
+    if (p.kv_chunks > 1) aligned_k = kv_length;
+    m.position_shift = p.position_shift;
+    aligned_q = m.valid_q >> p.position_shift;
+  }
+  m.diagonal_shift = p.diagonal_offset + (p.align_to_sequence_end ? aligned_k - aligned_q : 0);
   m.window_left = p.window_left;
   // Causal is the window's right edge pinned to the diagonal.
   m.window_right = p.causal ? 0 : p.window_right;
@@ -99,6 +108,13 @@ JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, in
     m.mask_strides = s;
   }
   return m;
+}
+
+JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionParams& p, int64_t b, int64_t h) {
+  return make_slice_mask_with<true>(p, b, h);
+}
+JF_HOST_DEVICE SliceMask make_slice_mask(const AttentionBackwardParams& p, int64_t b, int64_t h) {
+  return make_slice_mask_with<false>(p, b, h);
 }
 
 // tanh(s / softcap) to IEEE float precision: the CPU specification and the float32 kernels.

@@ -81,8 +81,9 @@ struct ScoreTile {
 
   // read_boolean_mask = false drops the per-element mask reads, for a tile whose mask blocks are all visible
   // (common/mask_blocks.h).
-  __device__ static ScoreTile make(const AttentionParams& p, int64_t batch, int64_t head,
-                                   bool read_boolean_mask = true) {
+  // Params: AttentionParams or AttentionBackwardParams, whose make_slice_mask drops the forward's row layouts.
+  template <class Params>
+  __device__ static ScoreTile make(const Params& p, int64_t batch, int64_t head, bool read_boolean_mask = true) {
     ScoreTile tile{make_slice_mask(p, batch, head), p.softmax_scale, p.softcap};
     if (!read_boolean_mask) tile.mask.mask = nullptr;
     return tile;

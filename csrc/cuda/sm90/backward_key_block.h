@@ -29,7 +29,7 @@ struct KeyBlock {
 };
 
 template <class Traits>
-__device__ KeyBlock locate_key_block(const AttentionParams& p) {
+__device__ KeyBlock locate_key_block(const AttentionBackwardParams& p) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
   const sm80::BlockCoord cta = sm80::decode_block_coord(num_n_blocks, p.heads_kv);
   KeyBlock kb;

@@ -117,7 +117,7 @@ __device__ __forceinline__ int previous_key_tile(const AttentionParams& p, const
 // dQ kernel's row block: the forward's (locate_row_block), with key_tiles ending after the last key tile the mask
 // leaves anything visible in (where every walk starts), so a row block that sees nothing is empty (dQ = 0).
 template <class Traits, BackwardForm kForm>
-__device__ RowBlock locate_backward_row_block(const AttentionParams& p) {
+__device__ RowBlock locate_backward_row_block(const AttentionBackwardParams& p) {
   RowBlock rb = locate_row_block<Traits>(p);
   if constexpr (reads_boolean_mask(kForm)) {
     if (!rb.key_tiles.empty()) rb.key_tiles.end = previous_key_tile<Traits, kForm>(p, rb, rb.key_tiles.end - 1) + 1;

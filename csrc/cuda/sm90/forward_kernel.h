@@ -99,9 +99,9 @@ __device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, In
   }
 }
 
-template <class Traits>
-__device__ RowBlock make_row_block(const AttentionParams& p, int64_t batch, int64_t head, int64_t head_kv,
-                                   int64_t m0) {
+// Params: the forward's AttentionParams, or the dQ pass's AttentionBackwardParams (no row layouts: make_slice_mask).
+template <class Traits, class Params>
+__device__ RowBlock make_row_block(const Params& p, int64_t batch, int64_t head, int64_t head_kv, int64_t m0) {
   RowBlock rb;
   rb.batch = batch;
   rb.head = head;
@@ -172,7 +172,7 @@ __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) 
 
 // One CTA per row block, numbered as the forward numbers its tiles (the sm90 dQ pass): tile = blockIdx.x.
 template <class Traits>
-__device__ RowBlock locate_row_block(const AttentionParams& p) {
+__device__ RowBlock locate_row_block(const AttentionBackwardParams& p) {
   const int64_t row_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   int64_t block, slice;
   split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, p.heads_q * p.batch, &block, &slice);
