@@ -128,7 +128,10 @@ int run_case(const Case& c, bool tf32) {
       if (transforms) f32::forward_kernel<D, true>(p, vectorized); else f32::forward_kernel<D, false>(p, vectorized);
     });
   }
-  // Backward.
+  // Backward. Packed and chunked calls are forward-only (AttentionParams::position_shift, kv_chunks): the backward
+  // kernels compile without those layouts, so their cases check o and lse alone.
+  const bool forward_only = c.packed_heads > 1 || c.kv_chunks > 1;
+  if (!forward_only) {
   unsigned rows = c.B * c.Sq * c.Hq;
   emu_launch((rows + 7) / 8, 256, f32::smem, 0, [&] { sm80::softmax_d_kernel<float>(p); });
   if (tf32 && D <= 128) {
@@ -155,6 +158,7 @@ int run_case(const Case& c, bool tf32) {
     emu_launch(unsigned(grid.blocks(p)), 256, f32::smem, f32::DbiasSmem<D>::kBytes / 4,
                [&] { f32::dbias_kernel<D>(p, vectorized, grid); });
   }
+  }
 
   // float64 reference.
   std::vector<double> ro(nq, 0), rlse(lse.n), rdq(nq, 0), rdk(nk, 0), rdv(nk, 0), rdbias(n_bias, 0);
@@ -166,7 +170,7 @@ int run_case(const Case& c, bool tf32) {
   auto KI = [&](int b, int j, int h, int x) { return ((size_t(b) * c.Sk + j) * c.Hkv + h) * c.d + x; };
   for (int b = 0; b < c.B; ++b)
     for (int h = 0; h < c.Hq; ++h) {
-      const SliceMask m = make_slice_mask(p, b, h);
+      const SliceMask m = make_slice_mask(static_cast<const AttentionParams&>(p), b, h);  // the forward's masks
       const int hk = h / group;
       for (int i = 0; i < c.Sq; ++i) {
         std::vector<double> s(c.Sk, -INFINITY), grad(c.Sk, 0), P(c.Sk, 0);
@@ -224,8 +228,9 @@ int run_case(const Case& c, bool tf32) {
     return ok ? 0 : 1;
   };
   std::printf("%s [%s, D=%d]\n", c.name.c_str(), tf32 ? "tf32" : "exact", D);
-  int fails = rel(o, ro, "o") + rel(lse, rlse, "lse") + rel(dq, rdq, "dq") + rel(dk, rdk, "dk") + rel(dv, rdv, "dv");
-  if (n_bias) fails += rel(dbias, rdbias, "db");
+  int fails = rel(o, ro, "o") + rel(lse, rlse, "lse");
+  if (!forward_only) fails += rel(dq, rdq, "dq") + rel(dk, rdk, "dk") + rel(dv, rdv, "dv");
+  if (n_bias && !forward_only) fails += rel(dbias, rdbias, "db");
   // Rows that see no key (e.g. an all-false mask row): o exactly 0 (and lse -inf, checked above).
   int empty_rows = 0, bad_rows = 0;
   for (int b = 0; b < c.B; ++b)
