@@ -57,9 +57,7 @@ def masks_read_positions(q: jax.Array, masks: MaskOperands, config: ScoreConfig)
     a window, ALiBi, or causal where it is not moot. The key-mask conversion changes the kv lengths, which the
     position masks align to, so it does not apply then (packing and the split-KV forward carry the positions in
     ``ScoreConfig.packed_heads`` and ``kv_chunks``)."""
-    if masks.alibi_slopes.shape[-1] != 0 or config.window_left >= 0 or config.window_right >= 0:
-        return True
-    return config.causal and not _causal_is_moot(q, masks, config)
+    return masks.alibi_slopes.shape[-1] != 0 or _reads_query_positions(q, masks, config)
 
 
 def has_dense_operands(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
