@@ -895,9 +895,9 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
                                                       dropout_rng=jax.random.key(0)))
 
 
-# The TF32 backward on the Hopper kernels (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD=sm90, read at every call; unset runs
-# the mma.sync ones): forcing them fails loudly where they cannot run a call, so a pass shows that they computed
-# these gradients (dK/dV and dQ passes). Windows, seqlens and segment ids are SliceMask positions, which their
+# The TF32 backward on the Hopper kernels (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD, read at every call: unset or auto runs
+# them where they can run the call, sm90 insists, sm80 keeps the mma.sync passes): forcing them fails loudly where
+# they cannot run a call, so a pass shows that they computed these gradients (dK/dV and dQ passes). Windows, seqlens and segment ids are SliceMask positions, which their
 # common form applies like the 16-bit kernels'.
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
 @pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
@@ -926,6 +926,17 @@ def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
     q, k, v = _on(GPUS[0], *case.inputs())
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.float32), GPUS[0])
     bit_identical_runs(lambda: grads(q, k, v, d_o, float32_precision="tf32"), runs=4)
+
+
+@pytest.mark.parametrize("head_dim", (64, 100))
+@pytest.mark.parametrize("feature", ("causal", "seqlens"))
+def test_float32_tf32_backward_on_the_mma_sync_passes(head_dim, feature, monkeypatch):
+    """sm80 keeps the mma.sync TF32 passes, which on a Hopper GPU run only the calls the sm90 ones refuse by default
+    (bias, dropout, softcap, ALiBi): these common-form calls keep them tested there."""
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm80")
+    case = Case(batch=2, seqlen_q=300, seqlen_k=777, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
+                seed=head_dim)
+    check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
 
 
 def test_float32_tf32_backward_kernel_switch(monkeypatch):
