@@ -37,6 +37,7 @@
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
+#   f32_racecheck racecheck over the same
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
 # TOTAL_LIMIT (seconds, optional) caps the whole script: later stages shrink or are skipped so that the results
 # are still packed before the device call's own limit.
@@ -263,8 +264,8 @@ run_stage() {
     cmd*) local cmd_var=${1^^}_CMD  # cmd, cmd_ka, ...: the shell command ${NAME}_CMD ($check names the standalone check)
       stage "$1" 300 env check="$check" bash -c "${!cmd_var}" ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
-    f32_memcheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage f32_memcheck 200 \
-                    compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
+    f32_memcheck|f32_racecheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage $1 200 \
+                    compute-sanitizer --tool ${1#f32_} --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
     *) echo "unknown stage $1" | tee -a "$out/summary.log" ;;
   esac
 }

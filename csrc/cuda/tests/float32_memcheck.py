@@ -1,6 +1,7 @@
 """Small float32 grid for compute-sanitizer: forward and backward of both float32 modes on odd shapes (partial
 tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
   XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 float32_memcheck.py
+(or --tool racecheck: device_run.sh's f32_memcheck and f32_racecheck stages).
 Prints one line per case; finite outputs are checked so that a silent failure still shows."""
 import itertools
 
@@ -18,6 +19,10 @@ CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
                              "alibi_slopes": jnp.array([0.1, 0.2], jnp.float32)}),
     (1, 40, 40, 2, 2, 128, {"q_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None],
                             "kv_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None]}),
+    # Many key tiles per row block, both consumer warpgroups of the Hopper TF32 backward busy: where its dQ pass
+    # once released a K stage before its loads had landed (thirteenth session).
+    (1, 300, 777, 2, 2, 128, {}),
+    (1, 200, 600, 4, 2, 64, {"causal": True}),
 ]
 
 for (b, sq, sk, hq, hkv, d, kwargs), mode in itertools.product(CASES, ("highest", "tf32")):
