@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Runs the float32 CUDA kernels (exact and TF32, forward and backward) on the CPU under a host emulation of the
 CUDA built-ins they use, against a float64 reference: catches indexing, masking and fragment-layout mistakes
-without a GPU. One std::thread per CUDA thread with barriers for __syncthreads and warp collectives
-(emu_cuda.h); cvt.rna.tf32, mma.m16n8k8 TF32 and cp.async are emulated (emu_ptx.h), swapped into a temporary
-copy of csrc. Races that real hardware could expose are not guaranteed to show; use compute-sanitizer for those.
+without a GPU. Each CUDA thread is a fiber that runs until its next barrier (__syncthreads, warp collectives;
+emu_cuda.h), so a missing __syncthreads shows as a wrong result (the fibers ahead read poisoned shared memory);
+cvt.rna.tf32, mma.m16n8k8 TF32 and cp.async are emulated (emu_ptx.h), swapped into a temporary copy of csrc.
+Other races that real hardware could expose are not guaranteed to show; use compute-sanitizer for those.
 
   python3 csrc/cuda/tests/f32_emulation/run.py   # exit status 0 when every case is within bound
 """
