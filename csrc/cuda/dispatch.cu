@@ -24,6 +24,9 @@
 #if __has_include("built_sm90_head_dims.h")
 #include "built_sm90_head_dims.h"
 #endif
+#ifndef JAX_FLASH_CUDA_FP16_BUILT
+#define JAX_FLASH_CUDA_FP16_BUILT 1
+#endif
 #ifndef JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST
 #define JAX_FLASH_CUDA_SM90_HEAD_DIM_LIST  // no sm_90a kernels in this build
 #endif
@@ -51,6 +54,18 @@ int current_device_major() {
 }
 
 namespace {
+
+// Calls launch(Element{}) with the CUTLASS type of a 16-bit call. A build with JAX_FLASH_CUDA_FP16=OFF (development,
+// CI's compile check) has no float16 instantiations, and says so instead of linking against them.
+template <class Launch>
+std::string with_half_element(ElementType type, Launch&& launch) {
+  if (type == ElementType::kBFloat16) return launch(cutlass::bfloat16_t{});
+  if constexpr (JAX_FLASH_CUDA_FP16_BUILT) {
+    return launch(cutlass::half_t{});
+  } else {
+    return "this build has no float16 kernels (built with JAX_FLASH_CUDA_FP16=OFF)";
+  }
+}
 
 template <size_t N>
 constexpr bool contains(const int (&head_dims)[N], int head_dim) {
@@ -189,11 +204,11 @@ struct Sm90ForwardBuilt {
 };
 
 std::string run_sm90_forward(const AttentionParams& p, cudaStream_t stream) {
-  const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim<Sm90ForwardBuilt>(sm90_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    return bf16 ? sm90::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
-                : sm90::launch_forward<kDim, cutlass::half_t>(p, stream);
+    return with_half_element(p.element_type, [&](auto element) {
+      return sm90::launch_forward<kDim, decltype(element)>(p, stream);
+    });
   });
 }
 
@@ -329,11 +344,11 @@ struct Sm90BackwardBuilt {
 };
 
 std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
-  const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    return bf16 ? sm90::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
-                : sm90::launch_backward<kDim, cutlass::half_t>(p, stream);
+    return with_half_element(p.element_type, [&](auto element) {
+      return sm90::launch_backward<kDim, decltype(element)>(p, stream);
+    });
   });
 }
 
@@ -363,11 +378,11 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
     return err;
   }
   if (use_sm90) return run_sm90_forward(p, stream);
-  const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    return bf16 ? sm80::launch_forward<kDim, cutlass::bfloat16_t>(p, stream)
-                : sm80::launch_forward<kDim, cutlass::half_t>(p, stream);
+    return with_half_element(p.element_type, [&](auto element) {
+      return sm80::launch_forward<kDim, decltype(element)>(p, stream);
+    });
   });
 }
 
@@ -398,11 +413,11 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     return err;
   }
   if (use_sm90) return run_sm90_backward(p, stream);
-  const bool bf16 = p.element_type == ElementType::kBFloat16;
   return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    return bf16 ? sm80::launch_backward<kDim, cutlass::bfloat16_t>(p, stream)
-                : sm80::launch_backward<kDim, cutlass::half_t>(p, stream);
+    return with_half_element(p.element_type, [&](auto element) {
+      return sm80::launch_backward<kDim, decltype(element)>(p, stream);
+    });
   });
 }
 
