@@ -32,6 +32,7 @@
 #   ncu_decode   Nsight Compute detail (memory, pipes, stalls) of one decoding forward launch through JAX
 #                (bench_decode.py, G = 32 / heads_kv $NCU_DECODE_HEADS_KV (default 1), seqlen_k $NCU_DECODE_SEQLEN
 #                (default 65536), split-KV and packing as by default), after the warm-up launches
+#   ncu_tf32_bwd Nsight Compute sections of the Hopper TF32 backward's dK/dV and dQ kernels (float32 d=128 4k through JAX)
 #   pytest_files the test files $PYTEST_FILES through pytest, on the GPU (JAX_FLASH_TEST_PLATFORM=gpu)
 #   decode*      benchmarks/bench_decode.py ${NAME}_ARGS under environment ${NAME}_ENV (as bench*)
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
@@ -226,6 +227,30 @@ ncu_decode() {
     "$out/ncu_decode_full.log" | head -n 60
 }
 
+# Where the Hopper TF32 backward's time goes (#10): Nsight Compute sections of its dK/dV and dQ kernels, one launch
+# each after a warm-up, in a float32 d=128 4k backward through JAX (bench_attention.py's shape: 16k tokens, 16 heads).
+ncu_tf32_bwd() {
+  local probe=/tmp/tf32_backward_probe.py name
+  cat > "$probe" <<'PY'
+import jax
+import jax.numpy as jnp
+import jax_flash
+keys = jax.random.split(jax.random.key(0), 4)
+q, k, v, d_o = (jax.random.normal(key, (4, 4096, 16, 128), jnp.float32) for key in keys)
+step = jax.jit(lambda q, k, v, d_o: jax.vjp(jax_flash.attention, q, k, v)[1](d_o))
+for _ in range(3):
+    jax.block_until_ready(step(q, k, v, d_o))
+PY
+  for name in dkdv_kernel dq_kernel; do
+    (cd /tmp && ncu --kernel-name regex:$name --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+       --section SchedulerStats --section LaunchStats --section Occupancy python3 "$probe") \
+      > "$out/ncu_tf32_bwd_$name.log" 2>&1 || return 1
+    grep -iE "_kernel<|Duration|Throughput|Busy|Executed Ipc|stall|Registers Per|Grid Size|Waves" \
+      "$out/ncu_tf32_bwd_$name.log" | head -n 40
+  done
+}
+
 if [ "${1:-}" = __function ]; then
   shift
   "$@"
@@ -256,6 +281,7 @@ run_stage() {
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
     ncu_decode) stage ncu_decode 150 ncu_decode ;;
+    ncu_tf32_bwd) stage ncu_tf32_bwd 200 ncu_tf32_bwd ;;
     probe_features) (cd /tmp && stage probe_features 120 python3 "$repo/csrc/cuda/tests/feature_forward_probe.py") ;;
     bench*) local args_var=${1^^}_ARGS env_var=${1^^}_ENV  # bench, bench_f32, ...: own ${NAME}_ARGS, ${NAME}_ENV
       stage "$1" 300 env ${!env_var:-} python3 benchmarks/bench_attention.py --out-dir "$out" ${!args_var:-} ;;
