@@ -68,7 +68,7 @@ def main() -> int:
             header.write_text(emulated(header.read_text()))
         binary = work / "harness"
         compiler = shutil.which("g++") or "c++"
-        subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", f"-I{HERE}", f"-I{work / 'csrc'}",
+        subprocess.run([compiler, "-std=c++20", "-O2", f"-I{HERE}", f"-I{work / 'csrc'}",
                         str(HERE / "harness.cc"), "-o", str(binary)], check=True)
         return subprocess.run([str(binary)]).returncode
 
