@@ -897,8 +897,8 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
 
 # The TF32 backward on the Hopper kernels (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD, read at every call: unset or auto runs
 # them where they can run the call, sm90 insists, sm80 keeps the mma.sync passes): forcing them fails loudly where
-# they cannot run a call, so a pass shows that they computed these gradients (dK/dV and dQ passes). Windows, seqlens and segment ids are SliceMask positions, which their
-# common form applies like the 16-bit kernels'.
+# they cannot run a call, so a pass shows that they computed these gradients (dK/dV and dQ passes). Windows, seqlens
+# and segment ids are SliceMask positions, which their common form applies like the 16-bit kernels'.
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
 @pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
                                                    ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
