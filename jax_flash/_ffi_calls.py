@@ -159,8 +159,8 @@ def _uses_fused_dq(q: jax.Array, masks: MaskOperands, config: ScoreConfig, dense
 
 def dq_workspace_shape(q: jax.Array) -> tuple[int, int, int]:
     """``[B, Hq, ceil(Sq / 64) * 64 * D]`` float32 for ``q`` of shape ``[B, Sq, Hq, D]``: the dq_accum workspace
-    (csrc/common/dq_workspace.h). Its layout inside is the kernels' own (the Hopper kernels' is tile-major, whole
-    64-row query tiles; sm80's is q's, in its first ``B * Sq * Hq * D`` floats), so only its size matters here."""
+    (csrc/common/dq_workspace.h). The kernels lay it out tile-major, whole 64-row query tiles in an order of their
+    own inside each tile, so only its size matters here."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     tiles = -(-seqlen_q // _DQ_WORKSPACE_TILE_ROWS)
     return (batch, heads_q, tiles * _DQ_WORKSPACE_TILE_ROWS * head_dim)

@@ -1,11 +1,10 @@
 // The size of the float32 dq_accum workspace of a fused-dQ backward (AttentionBackwardParams::dq_accum), in one
 // place for the Python side's declaration (jax_flash/_ffi_calls.py mirrors it), the FFI check, the launchers and
-// the standalone check. The layout inside is private to each kernel family:
-//   sm90: tile-major, [batch, heads_q, query tile, the tile's 64 x head_dim floats in the order the consumers'
-//         WGMMA fragments are staged] (sm90/dq_staging.h), so that one bulk reduction adds a whole tile;
-//   sm80: like q, [batch, seqlen_q, heads_q, head_dim] (common/dq_accum.h), in the first part of the buffer.
-// The declared shape [*batch, heads_q, per_head] fits both: the sm90 layout rounds seqlen_q up to whole tiles,
-// so it is never smaller than q.
+// the standalone check. Both kernel families lay it out tile-major, [batch, heads_q, query tile, the tile's
+// 64 x head_dim floats] (cuda/common/dq_workspace_tile.h), so that one bulk reduction adds a whole tile; the order
+// inside a tile is each family's own (sm90: its WGMMA fragments', sm90/dq_staging.h; sm80: column groups,
+// cuda/common/dq_accum.h). The declared shape [*batch, heads_q, per_head] is that layout with seqlen_q rounded up
+// to whole tiles.
 #pragma once
 
 #include <cstdint>

@@ -2,8 +2,8 @@
 // the sm80 and sm90 backward: a fused dK/dV pass adds each (query tile, key tile) item's dS K to it with
 // reductions in L2, then one pass scales and converts it into dq. Sums of float adds in whatever order the CTAs
 // arrive: not bit-reproducible, so deterministic calls keep each family's separate dQ pass.
-// Layout per family: sm80 adds into it laid out like q (add_dq_tile, dq_from_accum below: the first
-// batch * seqlen_q * heads_q * head_dim floats); sm90 into whole query tiles in fragment order (sm90/dq_staging.h).
+// Both families add into whole 64-row query tiles (common/dq_workspace_tile.h), each in its own order inside the
+// tile: sm90 in WGMMA fragment order (sm90/dq_staging.h), sm80 in column groups (dq_column_group_offset below).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,10 +17,10 @@
 
 #include "../../common/attention_params.h"
 #include "../sm80/launch_common.h"
-#include "../sm80/tensor_offsets.h"
-#include "block_range.h"
 #include "async_proxy_fence.h"
+#include "block_range.h"
 #include "bulk_reduce.h"
+#include "dq_workspace_tile.h"
 
 namespace jax_flash::cuda {
 
@@ -37,101 +37,140 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
   atomicAdd(address + 1, b);
 }
 
-// Adds a (query rows x head-dim columns) dQ accumulator to dq_accum: rows m0 + row of query head `head`; rows at
-// or past `rows_in_bounds` and columns at or past head_dim are skipped. `whole_tile`: the caller knows that every
-// element is in bounds and head_dim is the tile's (even) width, so no pair needs a test. `coords` is the identity
-// tensor partitioned like `acc`. mma.sync accumulators hold two adjacent columns of one row in consecutive
-// registers, so each pair is one reduction; an even head_dim makes every pair 8-byte aligned (row starts and
-// columns are even). An odd head_dim leaves a last column without its pair.
-template <class Acc, class Coords>
-__device__ __forceinline__ void add_dq_tile(const AttentionBackwardParams& p, const Acc& acc, const Coords& coords,
-                                            int64_t batch, int64_t head, int64_t m0, int64_t rows_in_bounds,
-                                            bool whole_tile) {
-  const sm80::BshdShape q_shape = sm80::query_shape(p);
-  float* tile = p.dq_accum + q_shape.offset(batch, m0, head);
-  const int cols_in_bounds = static_cast<int>(p.head_dim);
-  const bool pairs_aligned = p.head_dim % 2 == 0;
-  // The pairs' offsets row * stride + col do not change from item to item, so the compiler would compute them
-  // once before the item loop and keep them live across it; at 255 registers that spilled them (36 local loads
-  // per item at d=128). An opaque copy of the stride makes them cheap per-item arithmetic instead.
-  int64_t row_stride = q_shape.row_stride();
-  asm volatile("" : "+l"(row_stride));
-  if (whole_tile) {  // the common case: no bounds to test, every pair 8-byte aligned
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(acc); i += 2) {
-      const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
-      reduce_add_pair(tile + row * row_stride + col, acc(i), acc(i + 1), true);
+// sm80's order inside a chunk (head_dim a multiple of 4: the launchers send other head dims to the dQ pass):
+// column-group major, [column group of 4 columns][row 0..63, swizzled][4 columns], so that
+//  - a chunk holds exactly 64 * head_dim floats, and the groups of [0, head_dim) are a prefix of the order over any
+//    wider tile: a kernel can stage its whole (padded) tile without column tests and add only the chunk's prefix;
+//  - the conversion reads 16 contiguous bytes for the 4 columns of a group in one row;
+//  - a warp's float2 stores of an mma.sync accumulator are free of bank conflicts: each half-warp stores rows
+//    r..r+3 of two adjacent groups, which would both start at bank 0; odd groups hold their rows in the order
+//    row ^ 4, so that the second lands on banks 16-31. (Pairs of one thread lie multiples of 8 rows and 8 columns
+//    apart, so the swizzle keeps the offsets between them constant.)
+// Rows past seqlen_q of the last tile, and rows past a shorter q length, are summed from fully masked scores (zero
+// dS) and never converted.
+constexpr int kDqGroupWidth = 4;
+
+__host__ __device__ constexpr int dq_column_group_offset(int row, int col) {
+  const int group = col / kDqGroupWidth;
+  const int stored_row = row ^ ((group & 1) << 2);
+  return group * kDqGroupWidth * static_cast<int>(kDqWorkspaceTileRows) + stored_row * kDqGroupWidth +
+         col % kDqGroupWidth;
+}
+
+// Whether the order maps the 64 x head_dim tile one to one onto [0, 64 * head_dim) (so the groups of a narrower
+// head_dim are a prefix of a wider one's).
+constexpr bool dq_column_groups_fill_chunk(int head_dim) {
+  constexpr int kRows = static_cast<int>(kDqWorkspaceTileRows);
+  bool seen[kRows * 256] = {};
+  for (int row = 0; row < kRows; ++row) {
+    for (int col = 0; col < head_dim; ++col) {
+      const int offset = dq_column_group_offset(row, col);
+      if (offset < 0 || offset >= kRows * head_dim || seen[offset]) return false;
+      seen[offset] = true;
     }
-    return;
   }
+  return true;
+}
+static_assert(dq_column_groups_fill_chunk(4) && dq_column_groups_fill_chunk(36) && dq_column_groups_fill_chunk(128));
+
+// Offsets of an accumulator's pairs. They lie whole groups apart, so each pair's offset is the first pair's (per
+// thread) plus a constant (dq_pair_delta). The first is returned through an opaque copy: the compiler then cannot
+// hoist the 16 per-pair addresses (chunk or staging plus offset) out of the caller's item loop, where at 255
+// registers they would spill (as the q-layout reductions' did, NOTES.md eighth session); one base register and
+// immediate offsets instead.
+template <class Coords>
+__device__ __forceinline__ int dq_first_pair_offset(const Coords& coords) {
+  int offset = dq_column_group_offset(cute::get<0>(coords(0)), cute::get<1>(coords(0)));
+  asm volatile("" : "+r"(offset));
+  return offset;
+}
+template <class Coords>
+__device__ __forceinline__ int dq_pair_delta(const Coords& coords, int i) {
+  return (cute::get<1>(coords(i)) - cute::get<1>(coords(0))) * static_cast<int>(kDqWorkspaceTileRows) +
+         (cute::get<0>(coords(i)) - cute::get<0>(coords(0))) * kDqGroupWidth;
+}
+
+// Adds a (64 query rows x head-dim columns) dQ accumulator to its chunk, built for targets without bulk
+// reductions: one 8-byte aligned reduction per pair of adjacent columns below head_dim (a multiple of 4: the
+// launchers send other head dims to the dQ pass). `coords` is the identity tensor partitioned like `acc`;
+// mma.sync accumulators hold two adjacent columns of one row (the first even) in consecutive registers.
+// kSkipColumns: the tile is wider than head_dim (a smaller head dim on this kernel, or its accumulator padded past
+// kHeadDim).
+template <bool kSkipColumns, class Acc, class Coords>
+__device__ __forceinline__ void add_dq_columns(float* chunk, const Acc& acc, const Coords& coords, int head_dim) {
+  asm volatile("" : "+r"(head_dim));  // the column tests made here, not hoisted as live predicates
+  float* first = chunk + dq_first_pair_offset(coords);
   CUTE_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
-    const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
-    if (row >= rows_in_bounds || col >= cols_in_bounds) continue;
-    float* address = tile + row * row_stride + col;
-    if (col + 1 < cols_in_bounds) {
-      reduce_add_pair(address, acc(i), acc(i + 1), pairs_aligned);
-    } else {
-      atomicAdd(address, acc(i));
+    if (!kSkipColumns || cute::get<1>(coords(i)) < head_dim) {
+      reduce_add_pair(first + dq_pair_delta(coords, i), acc(i), acc(i + 1), true);
     }
   }
 }
 
-// The same addition built for sm_90, as the sm80 kernel's fused dQ does it there: the accumulator staged row-major
-// in shared memory (`staging`, kPitch floats per row; every coordinate inside the tile), then one bulk reduction of
-// `cols` floats per row in bounds, issued by the thread whose index is that row (one commit group each). Every
-// thread of the CTA calls it. Before the next call overwrites `staging`, the issuing threads wait for the reads
-// (bulk_wait_read) ahead of a CTA barrier. cols * 4 and `tile`'s rows are multiples of 16 bytes.
-template <int kPitch, class Acc, class Coords>
-__device__ __forceinline__ void stage_and_reduce_dq(const Acc& acc, const Coords& coords, float* staging, float* tile,
-                                                    int64_t row_stride, int rows, int cols) {
+// The whole (64 x tile width) accumulator staged in shared memory in the chunk order over the tile (`staging`: 64 x
+// tile width floats), for one bulk reduction of the chunk's prefix of 64 * head_dim floats (reduce_dq_tile, head_dim
+// a multiple of 4) once every thread has staged its part: no column tests, one 8-byte store per pair. Fenced for the
+// async proxy; the caller's next CTA barrier orders the stores before the bulk copy is issued.
+template <class Acc, class Coords>
+__device__ __forceinline__ void stage_dq_columns(float* staging, const Acc& acc, const Coords& coords) {
+  float* first = staging + dq_first_pair_offset(coords);
   CUTE_UNROLL
-  for (int i = 0; i < cute::size(acc); i += 2) {  // two adjacent columns of one row per pair of registers
-    const int row = cute::get<0>(coords(i)), col = cute::get<1>(coords(i));
-    *reinterpret_cast<float2*>(staging + row * kPitch + col) = make_float2(acc(i), acc(i + 1));
+  for (int i = 0; i < cute::size(acc); i += 2) {
+    *reinterpret_cast<float2*>(first + dq_pair_delta(coords, i)) = make_float2(acc(i), acc(i + 1));
   }
-  fence_stores_for_async_proxy();  // these generic-proxy stores before the bulk copies (async proxy)
-  __syncthreads();
-  const int row = static_cast<int>(threadIdx.x);
-  if (row < rows) {
-    bulk_reduce_add(tile + row * row_stride, staging + row * kPitch, cols * 4);
-    bulk_commit();
-  }
+  fence_stores_for_async_proxy();
 }
 
 constexpr int kDqConvertThreads = 256;
 
-// Floats in sm80's layout of the workspace (like q; sm90's tile layout is larger, common/dq_workspace.h).
-__host__ __device__ inline int64_t dq_elements(const AttentionBackwardParams& p) {
-  return p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+// Work items of sm80's conversion: the 4 columns of a group in one (row, head) where the workspace is 16-byte
+// aligned (dq_from_column_groups reads them as one float4), single elements otherwise.
+__host__ __device__ inline int dq_convert_width(const AttentionBackwardParams& p) {
+  return reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0 ? kDqGroupWidth : 1;
+}
+__host__ __device__ inline int64_t dq_convert_items(const AttentionBackwardParams& p) {
+  return p.batch * p.seqlen_q * p.heads_q * (p.head_dim / dq_convert_width(p));
 }
 
-// sm80's layout (like q): dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's
-// element type, grid-stride over the whole tensor; float4 reads where the workspace is 16-byte aligned. A device
-// function so that each family wraps it in a kernel of its own (see sm80/backward_row_kernels.h: a template kernel
-// instantiated in translation units built for different architectures would be registered twice).
+// sm80's conversion: dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's element
+// type, grid-stride over dq in its own order (dense, like q), so that the stores are contiguous and each read is 16
+// (or 4) contiguous bytes of a chunk. A device function so that each family wraps it in a kernel of its own (see
+// sm80/backward_launch.h: a template kernel instantiated in translation units built for different architectures
+// would be registered twice).
 template <class T>
-__device__ __forceinline__ void dq_from_accum(const AttentionBackwardParams& p) {
-  const int64_t count = dq_elements(p);
-  const bool aligned = reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0;
-  const int64_t vector_count = aligned ? count / 4 : 0;
-  const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum);
+__device__ __forceinline__ void dq_from_column_groups(const AttentionBackwardParams& p) {
+  const int width = dq_convert_width(p);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int64_t items_per_row = head_dim / width;
+  const int64_t count = dq_convert_items(p);
   T* dq = static_cast<T*>(p.dq);
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = first; i < vector_count; i += stride) {
-    const float4 sum = accum4[i];
-    dq[4 * i + 0] = T(sum.x * p.softmax_scale);
-    dq[4 * i + 1] = T(sum.y * p.softmax_scale);
-    dq[4 * i + 2] = T(sum.z * p.softmax_scale);
-    dq[4 * i + 3] = T(sum.w * p.softmax_scale);
+  for (int64_t i = first; i < count; i += stride) {
+    const int col = static_cast<int>(i % items_per_row) * width;
+    const int64_t row_head = i / items_per_row;  // (batch, query row, head) in q's order
+    const int64_t head = row_head % p.heads_q;
+    const int64_t row = row_head / p.heads_q % p.seqlen_q;
+    const int64_t batch = row_head / p.heads_q / p.seqlen_q;
+    const float* sum = dq_workspace_chunk(p, batch, head, row / kDqWorkspaceTileRows) +
+                       dq_column_group_offset(static_cast<int>(row % kDqWorkspaceTileRows), col);
+    T* out = dq + row_head * head_dim + col;
+    if (width == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(sum);
+      out[0] = T(v.x * p.softmax_scale);
+      out[1] = T(v.y * p.softmax_scale);
+      out[2] = T(v.z * p.softmax_scale);
+      out[3] = T(v.w * p.softmax_scale);
+    } else {
+      out[0] = T(*sum * p.softmax_scale);
+    }
   }
-  for (int64_t i = 4 * vector_count + first; i < count; i += stride) dq[i] = T(p.dq_accum[i] * p.softmax_scale);
 }
 
 // The dQ part of a fused backward, after softmax_d: zero the first `count` floats of the workspace (what the family's
 // layout uses), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds into it), then its conversion
-// kernel of kDqConvertThreads threads (dq_from_accum or sm90's dq_from_tiles; both grid-stride, so the grid is
+// kernel of kDqConvertThreads threads (dq_from_column_groups or sm90's dq_from_tiles; both grid-stride, so the grid is
 // `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
 template <class LaunchFusedDkdv>
 std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, int64_t count,

@@ -8,7 +8,7 @@
 // dQ comes from its own pass (backward_dq_kernel.h), or, in the fused form (kFusedDq: a call with a dq_accum
 // workspace, not deterministic, common variant), from this one, between dV's and dK's GEMMs:
 //   dQ_item = dS K                  (dS from the same smem tile, read row-wise; K resident; warp grid 2x4)
-//   dq_accum += dQ_item             (float32 reductions in L2, common/dq_accum.h)
+//   dq_accum += dQ_item             (float32 reductions in L2 into the item's workspace tile, common/dq_accum.h)
 // which replaces the dQ pass's recomputed S and dP (and its own dS K): 5 GEMMs per item instead of 7, for
 // kBlockM x head_dim float reductions per item.
 #pragma once
@@ -148,17 +148,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor smem_kt_part = copy_sdp_bt.get_thread_slice(tid).partition_S(sKt);
   Tensor dq_coords = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // The warp grid spans 64 columns, so at d=96 (or 32) the dQ accumulator is padded to the next multiple and its
-  // extra columns lie past the row: only a grid that divides the head dim may skip the column tests.
+  // extra columns lie past the row: only a grid that divides the head dim may leave out the column tests.
   constexpr bool kDqTileExact = Traits::kDqTileExact;
-  // Built for sm_90, the fused dQ stages each item's tile in shared memory (after the kSmemBytes above) and adds it
-  // with one bulk reduction per row instead of a red.global per pair of floats: d=128 4k 259 against 253 TFLOP/s
-  // (the reductions cost most of the gap to 342 TFLOP/s without them, and neither form closes it; NOTES.md). The
-  // launcher runs this form on 9.x only where head_dim % 4 == 0, so that every row is a multiple of 16 bytes.
+  // Built for sm_90, the fused dQ stages each item's tile in shared memory (after the kSmemBytes above), in the
+  // workspace chunk's order, and thread 0 adds the whole tile with one bulk reduction, issued after the next CTA
+  // barrier that the loop passes anyway (the next item's, or the epilogue's), so staging needs no barrier of its
+  // own. The ninth session's form (one bulk reduction per row after a barrier of its own) ran d=128 4k at 259
+  // against 253 TFLOP/s with a red.global per pair and 342 without reductions (NOTES.md). The launcher runs this
+  // form on 9.x only where head_dim % 4 == 0, so that a tile is a multiple of 16 bytes.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kBulkDq = kFusedDq && kDqTileExact;
+  constexpr bool kBulkDq = kFusedDq;
 #else
   constexpr bool kBulkDq = false;
 #endif
+  // Computed where used, not kept live across the item loop.
+  auto dq_staging = [&]() { return reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes); };
+  // The item whose staged tile awaits its bulk reduction (-1: none); the same in every thread.
+  int staged_item = -1;
+  auto reduce_staged_dq = [&]() {
+    if (kBulkDq && staged_item >= 0 && tid == 0) {
+      int item = staged_item;
+      asm volatile("" : "+r"(item));
+      reduce_dq_tile(p, dq_staging(), cta.batch, item_head(item), item_row0(item) / kBlockM);
+    }
+  };
   auto copy_p_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_sdp);
   auto thr_copy_p_out = copy_p_out.get_thread_slice(tid);
 
@@ -197,10 +210,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor score_grads = converted<T>(acc_dp);
     copy(copy_p_out, thr_copy_p_out.retile_S(probs), thr_copy_p_out.partition_D(sP));
     copy(copy_p_out, thr_copy_p_out.retile_S(score_grads), thr_copy_p_out.partition_D(sdS));
-    // The previous item's bulk reductions have read the staged dQ tile before anyone passes this barrier and
-    // overwrites it (long done by now: dK's GEMM ran since).
+    // The previous item's bulk reduction (issued at this item's first barrier) has read the staged dQ tile before
+    // anyone passes this barrier and overwrites it (long done by now: the S and dP GEMMs ran since).
     if constexpr (kBulkDq) {
-      if (tid < kBlockM) bulk_wait_read();
+      if (tid == 0) bulk_wait_read();
     }
     __syncthreads();
 
@@ -213,16 +226,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor acc_dq = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_smem_smem(mma_sdp, acc_dq, frag_ds, frag_kt, smem_ds_part, smem_kt_part, copy_sdp_a, copy_sdp_bt);
-      const int64_t rows_in_bounds = min(int64_t(kBlockM), valid_q - m0);
+      // The whole tile, rows past the q length included: their scores are masked, so they add zeros.
       if constexpr (kBulkDq) {
-        float* dq_staging = reinterpret_cast<float*>(smem_bytes + Traits::kSmemBytes);
-        stage_and_reduce_dq<Traits::kDqStagingPitch>(acc_dq, dq_coords, dq_staging,
-                                                     p.dq_accum + q_shape.offset(cta.batch, m0, head),
-                                                     q_shape.row_stride(), static_cast<int>(rows_in_bounds),
-                                                     static_cast<int>(p.head_dim));
+        stage_dq_columns(dq_staging(), acc_dq, dq_coords);
+        staged_item = item;
       } else {
-        add_dq_tile(p, acc_dq, dq_coords, cta.batch, head, m0, rows_in_bounds,
-                    kDqTileExact && rows_in_bounds == kBlockM && p.head_dim == kHeadDim);
+        float* chunk = dq_workspace_chunk(p, cta.batch, head, m0 / kBlockM);
+        if (kDqTileExact && p.head_dim == kHeadDim) {
+          add_dq_columns<false>(chunk, acc_dq, dq_coords, kHeadDim);
+        } else {
+          add_dq_columns<true>(chunk, acc_dq, dq_coords, static_cast<int>(p.head_dim));
+        }
       }
     }
     gemm_smem_smem(mma_dkv, acc_dk, frag_dst, frag_qt, smem_dst_part,
@@ -241,8 +255,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     cp_async_wait<0>();
     // This item's Q/dO are in smem for everyone; everyone is done with the previous item's P/dS and with the
-    // stage the prefetch overwrites.
+    // stage the prefetch overwrites; and everyone has staged (and fenced) the previous item's dQ tile.
     __syncthreads();
+    reduce_staged_dq();
     if constexpr (kStages == 2) {
       const int next = next_item(item + 1);
       if (next < items) load_query_tile(next, stage ^ 1);
@@ -258,17 +273,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cursor = next_item(item + 1) * 2 + (kStages == 2 ? stage ^ 1 : 0);
   }
 
-  if constexpr (kBulkDq) {
-    if (tid < kBlockM) bulk_wait_all();  // the staged tile is read before the CTA exits
-  }
-
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = converted<T>(acc_dk);
   Tensor dv_out = converted<T>(acc_dv);
   cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // also orders the last item's staged dQ tile before its bulk reduction
+  reduce_staged_dq();
   auto copy_kv_out = make_tiled_copy_C(Copy_Atom<UniversalCopy<uint32_t>, T>{}, mma_dkv);
   auto thr_copy_kv_out = copy_kv_out.get_thread_slice(tid);
   copy(copy_kv_out, thr_copy_kv_out.retile_S(dk_out), thr_copy_kv_out.partition_D(sK));
@@ -278,6 +290,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 vectorized);
   KVTile::store(static_cast<T*>(p.dv) + kv_offset, smem_v, kv_shape.row_stride(), keys_in_bounds, p.head_dim,
                 vectorized);
+  if constexpr (kBulkDq) {
+    if (tid == 0) bulk_wait_all();  // the last reduction is complete (and has read its smem) before the CTA exits
+  }
 }
 
 }  // namespace jax_flash::cuda::sm80

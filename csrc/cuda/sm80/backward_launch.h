@@ -7,8 +7,8 @@
 // broadcast and deterministic is False.
 // Fused dQ instead of step 3 where the call gives a dq_accum workspace (the default of non-deterministic
 // common-variant calls, jax_flash/_ffi_calls.py; JAX_FLASH_FUSED_DQ=0 turns it off) and runs the common variant:
-// the workspace is zeroed, the dK/dV pass also adds each item's dS K into it, and one elementwise pass converts it
-// (common/dq_accum.h; d=128 4k on the H200: 253 vs 224 TFLOP/s). The general variant keeps the dQ pass, which
+// the workspace is zeroed, the dK/dV pass also adds each item's dS K into its tile of it, and one elementwise pass
+// converts it (common/dq_accum.h; d=128 4k on the H200: 253 vs 224 TFLOP/s in the eighth session). The general variant keeps the dQ pass, which
 // also forms dbias.
 #pragma once
 
@@ -32,8 +32,8 @@ inline bool backward_rows_are_16b_aligned(const AttentionBackwardParams& p) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kDqConvertThreads) dq_from_accum_kernel(const AttentionBackwardParams p) {
-  dq_from_accum<T>(p);
+__global__ void __launch_bounds__(kDqConvertThreads) dq_from_column_groups_kernel(const AttentionBackwardParams p) {
+  dq_from_column_groups<T>(p);
 }
 
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
@@ -106,15 +106,16 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(p);
     if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
   }
-  // The fused form's sm_90 build adds whole rows with bulk reductions (16-byte multiples): a head_dim that is not
-  // a multiple of 4 (rare: the odd dims run a wider kernel) takes the dQ pass there instead.
+  // The fused form adds pairs of columns in groups of 4 (common/dq_accum.h; its sm_90 build whole tiles with bulk
+  // reductions, 16-byte multiples): a head_dim that is not a multiple of 4 (rare: it runs on a wider kernel) takes
+  // the dQ pass instead.
   const bool on_sm90 = current_device_major() == 9;
-  const bool fused_dq_fits = !on_sm90 || p.head_dim % 4 == 0;
+  const bool fused_dq_fits = p.head_dim % 4 == 0;
   if (p.dq_accum != nullptr && !p.deterministic && !needs_general_variant(p) && fused_dq_fits) {
-    const int64_t count = dq_elements(p);  // like q: the workspace's first part
+    const int64_t count = dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim);
     return run_fused_dq(
         p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, on_sm90, stream); },
-        dq_from_accum_kernel<Element>, ceil_div(count, 4 * kDqConvertThreads), "sm80");
+        dq_from_column_groups_kernel<Element>, ceil_div(dq_convert_items(p), kDqConvertThreads), "sm80");
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, on_sm90, stream); !err.empty()) {
     return err;

@@ -150,10 +150,12 @@ struct BackwardTraits {
 
   // Fused dQ: whether the S/dP warp grid's columns divide the head dim (else the dQ accumulator is padded past it).
   static constexpr bool kDqTileExact = kHeadDim % int(cute::tile_size<1>(TiledMmaSdP{})) == 0;
-  // Fused dQ built for sm_90: the float32 dQ tile staged row by row for the bulk reductions, after kSmemBytes. Rows
-  // are 8 floats longer than the tile so that a half-warp's 8-byte stores (4 rows x 32 bytes) hit 32 banks.
-  static constexpr int kDqStagingPitch = kHeadDim + 8;
-  static constexpr int kDqStagingBytes = kDqTileExact ? kBlockM * kDqStagingPitch * int(sizeof(float)) : 0;
+  // Fused dQ built for sm_90: the float32 dQ accumulator, padded to the S/dP warp grid's columns, staged in the
+  // workspace chunk's order (common/dq_accum.h) for its bulk reduction, after kSmemBytes.
+  static constexpr int kDqTileCols =
+      (kHeadDim + int(cute::tile_size<1>(TiledMmaSdP{})) - 1) / int(cute::tile_size<1>(TiledMmaSdP{})) *
+      int(cute::tile_size<1>(TiledMmaSdP{}));
+  static constexpr int kDqStagingBytes = kBlockM * kDqTileCols * int(sizeof(float));
 };
 
 }  // namespace jax_flash::cuda::sm80

@@ -2,8 +2,8 @@
 // sequence and why deterministic calls do not use it; common/dq_workspace.h its size): a staged shared tile, one
 // bulk reduction per item, and the conversion that undoes the tile order.
 //
-// Workspace layout (sm90 only; sm80 keeps q's): [batch, heads_q, query tile, chunk], a chunk being one item's
-// 64 x head_dim dQ tile in fragment order:
+// Workspace layout (common/dq_workspace_tile.h): [batch, heads_q, query tile, chunk], a chunk being one item's
+// 64 x head_dim dQ tile, here in fragment order:
 //   [column group of 8 (head_dim / 8 of them)][consumer thread 0..127][4 floats],
 // the 4 floats being what that thread's WGMMA accumulator holds in those 8 columns (fragment indices 4j..4j+3 of
 // a consumer whose column slice starts at group g * kGroupsPerConsumer, j = column group - that). So:
@@ -23,6 +23,7 @@
 #include "../../common/attention_params.h"
 #include "../../common/dq_workspace.h"
 #include "../common/bulk_reduce.h"
+#include "../common/dq_workspace_tile.h"
 #include "../sm80/tensor_offsets.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -82,23 +83,6 @@ __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int g
     *reinterpret_cast<float4*>(tile + dq_chunk_offset<kGroupsPerConsumer>(group, thread, i)) =
         make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
   }
-}
-
-// The workspace chunk of query tile m_block of query head `head`: 64 * head_dim floats, 16-byte aligned when the
-// workspace is (head_dim is a multiple of 8, so a chunk is a multiple of 2 KiB).
-__device__ __forceinline__ float* dq_workspace_chunk(const AttentionBackwardParams& p, int64_t batch, int64_t head,
-                                                     int64_t m_block) {
-  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  return p.dq_accum + ((batch * p.heads_q + head) * tiles + m_block) * kDqWorkspaceTileRows * p.head_dim;
-}
-
-// One thread: the staged tile's column groups of [0, head_dim) added to the item's chunk with ONE bulk reduction
-// (at most 64 * 128 * 4 = 32 KiB), committed as its own bulk group.
-__device__ __forceinline__ void reduce_dq_tile(const AttentionBackwardParams& p, const float* tile, int64_t batch,
-                                               int64_t head, int64_t m_block) {
-  const int bytes = static_cast<int>(kDqWorkspaceTileRows * p.head_dim * 4);
-  bulk_reduce_add(dq_workspace_chunk(p, batch, head, m_block), tile, bytes);
-  bulk_commit();
 }
 
 // dq = dq_accum * softmax_scale from the tile-major workspace: CTAs stride over the chunks (query tiles), their
