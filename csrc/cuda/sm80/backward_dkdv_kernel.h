@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // workspace chunk's order, and thread 0 adds the whole tile with one bulk reduction, issued after the next CTA
   // barrier that the loop passes anyway (the next item's, or the epilogue's), so staging needs no barrier of its
   // own. The ninth session's form (one bulk reduction per row after a barrier of its own) ran d=128 4k at 259
-  // against 253 TFLOP/s with a red.global per pair and 342 without reductions (NOTES.md). The launcher runs this
-  // form on 9.x only where head_dim % 4 == 0, so that a tile is a multiple of 16 bytes.
+  // against 253 TFLOP/s with a red.global per pair and 342 without reductions (NOTES.md). The launcher runs the
+  // fused form only where head_dim % 4 == 0 (whole column groups; a tile a multiple of 16 bytes).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kBulkDq = kFusedDq;
 #else

@@ -8,8 +8,8 @@
 // Fused dQ instead of step 3 where the call gives a dq_accum workspace (the default of non-deterministic
 // common-variant calls, jax_flash/_ffi_calls.py; JAX_FLASH_FUSED_DQ=0 turns it off) and runs the common variant:
 // the workspace is zeroed, the dK/dV pass also adds each item's dS K into its tile of it, and one elementwise pass
-// converts it (common/dq_accum.h; d=128 4k on the H200: 253 vs 224 TFLOP/s in the eighth session). The general variant keeps the dQ pass, which
-// also forms dbias.
+// converts it (common/dq_accum.h; d=128 4k on the H200: 253 vs 224 TFLOP/s in the eighth session). The general
+// variant keeps the dQ pass, which also forms dbias.
 #pragma once
 
 #include <string>

@@ -148,13 +148,13 @@ struct BackwardTraits {
       (2 * kStages * kQElems + 2 * kKVElems + 2 * kPElems) * int(sizeof(Element));
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0);
 
-  // Fused dQ: whether the S/dP warp grid's columns divide the head dim (else the dQ accumulator is padded past it).
-  static constexpr bool kDqTileExact = kHeadDim % int(cute::tile_size<1>(TiledMmaSdP{})) == 0;
-  // Fused dQ built for sm_90: the float32 dQ accumulator, padded to the S/dP warp grid's columns, staged in the
-  // workspace chunk's order (common/dq_accum.h) for its bulk reduction, after kSmemBytes.
-  static constexpr int kDqTileCols =
-      (kHeadDim + int(cute::tile_size<1>(TiledMmaSdP{})) - 1) / int(cute::tile_size<1>(TiledMmaSdP{})) *
-      int(cute::tile_size<1>(TiledMmaSdP{}));
+  // Fused dQ: its accumulator spans whole S/dP warp grids (kGridCols columns each), so it is padded past the head
+  // dim unless the grid's columns divide it (kDqTileExact).
+  static constexpr int kGridCols = int(cute::tile_size<1>(TiledMmaSdP{}));
+  static constexpr bool kDqTileExact = kHeadDim % kGridCols == 0;
+  static constexpr int kDqTileCols = (kHeadDim + kGridCols - 1) / kGridCols * kGridCols;
+  // Fused dQ built for sm_90: that (padded) accumulator staged in the workspace chunk's order (common/dq_accum.h)
+  // for its bulk reduction, after kSmemBytes.
   static constexpr int kDqStagingBytes = kBlockM * kDqTileCols * int(sizeof(float));
 };
 
