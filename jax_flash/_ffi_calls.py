@@ -166,16 +166,31 @@ def dq_workspace_shape(q: jax.Array) -> tuple[int, int, int]:
     return (batch, heads_q, tiles * _DQ_WORKSPACE_TILE_ROWS * head_dim)
 
 
+# csrc/common/dq_workspace.h kDkdvTailMaxSlots, kDkdvTailSlotFloats and the 128-key blocks they count.
+_DKDV_TAIL_MAX_SLOTS = 256
+_DKDV_TAIL_SLOT_FLOATS = 2 * 128 * 128
+_DKDV_TAIL_BLOCK_KEYS = 128
+
+
+def dkdv_tail_shape(k: jax.Array) -> tuple[int]:
+    """``[floats]`` float32, declared beside ``dq_accum``: slots of float32 dK and dV for the key blocks of the
+    last wave that the sm80 fused dK/dV pass splits across SMs (csrc/cuda/sm80/dkdv_tail_plan.h), at most
+    256 slots of 128 KiB (csrc/common/dq_workspace.h ``dkdv_tail_elements``)."""
+    batch, seqlen_k, heads_kv, _ = k.shape
+    blocks = batch * heads_kv * -(-seqlen_k // _DKDV_TAIL_BLOCK_KEYS)
+    return (min(blocks, _DKDV_TAIL_MAX_SLOTS) * _DKDV_TAIL_SLOT_FLOATS,)
+
+
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
              d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands | None = None,
              want_dbias: bool = False) -> tuple[jax.Array, ...]:
     """Runs the backward kernels. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, and ``dbias`` (float32,
     shaped like the bias, summed over its broadcast axes) after them when ``want_dbias``.
 
-    Two extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
-    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row) and ``dq_accum``, in which the
-    backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``); an empty placeholder
-    otherwise.
+    Three extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
+    queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row), ``dq_accum``, in which the
+    backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``), and with it
+    ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise.
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
@@ -187,10 +202,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
         (_result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS) if fused_dq
          else jax.ShapeDtypeStruct((0,), jnp.float32)),
+        # Sharded like k's head dim, which no mesh axis splits: every device gets whole slots.
+        (_result(k, dkdv_tail_shape(k), jnp.float32, dims=(3,)) if fused_dq
+         else jax.ShapeDtypeStruct((0,), jnp.float32)),
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
+    dq, dk, dv, _, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
                                 *_dense_arguments(dense), **_score_attributes(config),
                                 deterministic=bool(config.deterministic))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

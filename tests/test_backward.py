@@ -139,7 +139,9 @@ def test_fused_dq_workspace_is_declared_where_the_kernels_use_it(monkeypatch):
 
 def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
     """The handler checks the workspace against [*batch, heads_q, whole 64-row query tiles x head_dim] (the size both
-    GPU kernel families fit in), under vmap too; a raw call with q's shape instead names the buffer."""
+    GPU kernel families fit in), under vmap too; a raw call with q's shape instead names the buffer. The dkdv_tail
+    workspace beside it may have any size (the kernels use the slots that fit) but must be float32 and come with
+    dq_accum."""
     from jax_flash._config import ScoreConfig
 
     case = Case(batch=2, seqlen_q=70, seqlen_k=30, heads_q=4, heads_kv=2, head_dim=72, dtype=jnp.bfloat16)
@@ -154,11 +156,11 @@ def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
                                                                 jax.ShapeDtypeStruct((0,), jnp.float32)))(
         q, k, v, *masks, *dense, **_ffi_calls._forward_attributes(config))
 
-    def backward(workspace_shape):
+    def backward(workspace_shape, tail_shape=(0,), tail_dtype=jnp.float32):
         call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
             jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(workspace_shape, jnp.float32),
-            jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+            jax.ShapeDtypeStruct(tail_shape, tail_dtype), jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
         return jax.block_until_ready(call(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense,
                                           **attributes, deterministic=False))
 
@@ -168,6 +170,15 @@ def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     with pytest.raises(Exception, match="dq_accum"):
         backward(q.shape)
+    assert _ffi_calls.dkdv_tail_shape(k) == (2 * 2 * 1 * 2 * 128 * 128,)  # one 128-key block per (batch, KV head)
+    for tail_shape in (_ffi_calls.dkdv_tail_shape(k), (3, 5)):
+        got = backward(_ffi_calls.dq_workspace_shape(q), tail_shape)[:3]
+        for g, want in zip(got, (dq, dk, dv)):
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    with pytest.raises(Exception, match="dkdv_tail must be float32"):
+        backward(_ffi_calls.dq_workspace_shape(q), (8,), jnp.int32)
+    with pytest.raises(Exception, match="dkdv_tail is only for calls with a dq_accum"):
+        backward((0,), (8,))
 
     # Under vmap the mapped axis is prepended to the workspace like to every result.
     stacked = [jnp.stack([x, x]) for x in (q, k, v)]

@@ -110,6 +110,11 @@ struct AttentionBackwardParams : AttentionParams {
   // none (deterministic calls, float32 inputs, head dims where fusing does not pay), and then dQ has a pass of its
   // own.
   float* dq_accum = nullptr;
+  // float32, dkdv_tail_elements() floats of common/dq_workspace.h (or any number under vmap / sharding: the kernels use
+  // what fits), given with dq_accum: the slots in which the sm80 fused dK/dV pass sums the key blocks of its last wave
+  // that it splits across SMs (cuda/sm80/dkdv_tail_plan.h); nullptr / 0 when absent.
+  float* dkdv_tail = nullptr;
+  int64_t dkdv_tail_floats = 0;
   float* dbias = nullptr;          // like bias (same strides), float32; nullptr when not wanted
   bool deterministic = false;      // bit-reproducible gradients
 };

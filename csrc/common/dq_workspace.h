@@ -28,4 +28,17 @@ constexpr int64_t dq_workspace_elements(int64_t batch, int64_t seqlen_q, int64_t
   return batch * heads_q * dq_workspace_per_head(seqlen_q, head_dim);
 }
 
+// The dkdv_tail workspace (AttentionBackwardParams::dkdv_tail), declared beside dq_accum: up to kDkdvTailMaxSlots
+// slots of one key block's float32 dK and dV, sized for the widest sm80 fused-dQ block (128 keys x head_dim 128;
+// fused dQ stops at head_dim 128), never more slots than the call has key blocks of 128. A wave holds at most
+// SMs x CTAs per SM blocks, so this covers GPUs of up to 256 such CTAs per wave; the launcher splits no tail it has
+// no room for.
+constexpr int64_t kDkdvTailMaxSlots = 256;
+constexpr int64_t kDkdvTailSlotFloats = 2 * 128 * 128;
+
+constexpr int64_t dkdv_tail_elements(int64_t batch, int64_t seqlen_k, int64_t heads_kv) {
+  const int64_t blocks = batch * heads_kv * ((seqlen_k + 127) / 128);
+  return (blocks < kDkdvTailMaxSlots ? blocks : kDkdvTailMaxSlots) * kDkdvTailSlotFloats;
+}
+
 }  // namespace jax_flash

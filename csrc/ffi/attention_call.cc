@@ -199,6 +199,13 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
     JF_RETURN_IF_ERROR(expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch,
                                      {p->heads_q, dq_workspace_per_head(p->seqlen_q, p->head_dim)}));
   }
+  // dkdv_tail: absent when empty, else float32 slots for the sm80 fused pass's split tail, beside dq_accum. Any
+  // shape: vmap prepends axes and sharding may shrink it; the launcher uses the slots that fit.
+  const bool wants_dkdv_tail = out.dkdv_tail.element_count() > 0;
+  if (wants_dkdv_tail) {
+    if (!wants_dq_accum) return invalid("dkdv_tail is only for calls with a dq_accum workspace");
+    if (out.dkdv_tail.element_type() != ffi::DataType::F32) return invalid("dkdv_tail must be float32");
+  }
   // dbias: the bias's shape when the caller differentiates with respect to the bias, else a placeholder.
   const std::vector<int64_t> vmap_dims(batch.begin(), batch.end() - 1);
   const int64_t broadcast_full[4] = {batch.back(), p->heads_q, p->seqlen_q, p->seqlen_k};
@@ -220,6 +227,8 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   p->dv = out.dv.untyped_data();
   p->softmax_d = static_cast<float*>(out.softmax_d.untyped_data());
   p->dq_accum = wants_dq_accum ? static_cast<float*>(out.dq_accum.untyped_data()) : nullptr;
+  p->dkdv_tail = wants_dkdv_tail ? static_cast<float*>(out.dkdv_tail.untyped_data()) : nullptr;
+  p->dkdv_tail_floats = wants_dkdv_tail ? static_cast<int64_t>(out.dkdv_tail.element_count()) : 0;
   p->deterministic = deterministic;
   return ffi::Error::Success();
 }

@@ -58,6 +58,7 @@ struct BackwardOperands {
 struct BackwardResults {
   ffi::AnyBuffer dq, dk, dv, softmax_d;
   ffi::AnyBuffer dq_accum;  // float32 [*batch, heads_q, per head] (common/dq_workspace.h), or empty (no fused dQ)
+  ffi::AnyBuffer dkdv_tail;  // float32, any shape (common/dq_workspace.h: dkdv_tail_elements), or empty
   ffi::AnyBuffer dbias;  // like the bias operand (float32), or [*vmap, 1, 1, 1, 0] when not wanted
 };
 
@@ -106,7 +107,7 @@ auto bind_forward(Binding binding) {
       .template Attr<int64_t>("kv_chunks");
 }
 
-// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dq_accum, dbias)
+// backward(q, k, v, o, lse, d_o, d_lse, masks...) -> (dq, dk, dv, softmax_d, dq_accum, dkdv_tail, dbias)
 template <typename Binding>
 auto bind_backward(Binding binding) {
   return bind_score_attributes(bind_mask_operands(std::move(binding)
@@ -122,6 +123,7 @@ auto bind_backward(Binding binding) {
                                    .template Ret<ffi::AnyBuffer>()                      // dv
                                    .template Ret<ffi::AnyBuffer>()                      // softmax_d (workspace)
                                    .template Ret<ffi::AnyBuffer>()                      // dq_accum (workspace)
+                                   .template Ret<ffi::AnyBuffer>()                      // dkdv_tail (workspace)
                                    .template Ret<ffi::AnyBuffer>())                     // dbias
       .template Attr<bool>("deterministic");
 }

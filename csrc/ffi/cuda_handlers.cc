@@ -44,6 +44,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::AnyBuffer mask, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer dropout_seeds,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                          ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dq_accum,
+                         ffi::Result<ffi::AnyBuffer> dkdv_tail,
                          ffi::Result<ffi::AnyBuffer> dbias,
                          float softmax_scale, float softcap, bool causal, bool align_to_sequence_end,
                          int64_t diagonal_offset, int64_t window_left, int64_t window_right, float dropout_rate,
@@ -52,7 +53,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   ffi::Error error = decode_backward(
       {q, k, v, o, lse, d_o, d_lse},
       {alibi_slopes, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, mask_blocks, dropout_seeds},
-      {*dq, *dk, *dv, *softmax_d, *dq_accum, *dbias},
+      {*dq, *dk, *dv, *softmax_d, *dq_accum, *dkdv_tail, *dbias},
       {softmax_scale, softcap, causal, align_to_sequence_end, diagonal_offset, window_left, window_right,
        dropout_rate, allow_tf32},
       deterministic, &params);

@@ -10,7 +10,9 @@
 //   dQ_item = dS K                  (dS from the same smem tile, read row-wise; K resident; warp grid 2x4)
 //   dq_accum += dQ_item             (float32 reductions in L2 into the item's workspace tile, common/dq_accum.h)
 // which replaces the dQ pass's recomputed S and dP (and its own dS K): 5 GEMMs per item instead of 7, for
-// kBlockM x head_dim float reductions per item.
+// kBlockM x head_dim float reductions per item. The fused form also splits its last wave's blocks across every SM
+// (dkdv_tail_plan.h): a CTA there runs a piece of a block's items and adds its dK/dV to the block's workspace slot
+// instead of storing them.
 #pragma once
 
 #include <cmath>
@@ -21,6 +23,7 @@
 #include "../common/block_range.h"
 #include "../common/bulk_reduce.h"
 #include "../common/dq_accum.h"
+#include "dkdv_tail.h"
 #include "fragments.h"
 #include "gmem_tile.h"
 #include "kernel_traits.h"
@@ -30,9 +33,11 @@
 
 namespace jax_flash::cuda::sm80 {
 
+// Items [segment.item_begin, segment.item_end) of key block segment.block (clamped to the block's items); a segment
+// with a slot adds dK/dV to tail.slots' slot instead of storing them.
 template <class Traits, bool kGeneral, bool kFusedDq>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    dkdv_kernel(const AttentionBackwardParams p, bool vectorized) {
+__device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, bool vectorized, const DkdvTail& tail,
+                                             const DkdvSegment& segment) {
   static_assert(!(kGeneral && kFusedDq), "fused dQ is built for the common variant (dbias needs the dQ pass)");
   using namespace cute;
   using T = typename Traits::Element;
@@ -53,7 +58,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   T* smem_ds = smem_p + Traits::kPElems;
 
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kBlockN));
-  const BlockCoord cta = decode_block_coord(num_n_blocks, p.heads_kv);
+  const BlockCoord cta = block_coord(static_cast<unsigned>(segment.block), num_n_blocks, p.heads_kv);
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t n0 = int64_t(cta.block) * kBlockN;
   const int keys_in_bounds = static_cast<int>(min(int64_t(kBlockN), p.seqlen_k - n0));
@@ -65,6 +70,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const SliceMask group_mask = make_slice_mask(p, cta.batch, cta.head * group);
   const TileSpan query_tiles = query_tiles_for_keys(group_mask, n0, kBlockN, kBlockM);
   const int items = static_cast<int>(group) * query_tiles.size();  // (query head, query tile) pairs
+  const int item_end = min(items, segment.item_end);
+  // Whether this CTA adds into a tail slot (a piece, dkdv_tail_plan.h): read from the kernel's parameters where
+  // needed, not held across the item loop.
+  auto in_tail = [&]() { return int(blockIdx.x) >= tail.full_blocks; };
   auto item_head = [&](int item) { return cta.head * group + item / query_tiles.size(); };
   auto item_row0 = [&](int item) { return int64_t(query_tiles.begin + item % query_tiles.size()) * kBlockM; };
   // How the boolean mask's block summary covers an item's tile (general variant only); items it hides entirely
@@ -72,9 +81,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto mask_cover = [&](int item) {
     return tile_mask_cover<kGeneral, kBlockM, kBlockN>(p, cta.batch, item_head(item), item_row0(item), n0);
   };
-  auto next_item = [&](int item) { return next_unhidden_tile(item, items, mask_cover); };
-  const int first_item = next_item(0);
-  if (first_item >= items) {
+  auto next_item = [&](int item) { return next_unhidden_tile(item, item_end, mask_cover); };
+  const int first_item = next_item(segment.item_begin);
+  if (first_item >= item_end) {
+    if (in_tail()) return;  // adds nothing to the slot (zeroed by the launcher)
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -245,7 +255,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // cursor: the tile's index times 2 plus the buffer stage it was loaded into (one register, as a plain index);
   // the next unhidden tile is found again at the end of each step rather than held across the tile's math.
-  for (int cursor = first_item * 2; (cursor >> 1) < items;) {
+  for (int cursor = first_item * 2; (cursor >> 1) < item_end;) {
     const int item = cursor >> 1;
     const int stage = cursor & 1;
     if constexpr (kStages == 1) {
@@ -260,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     reduce_staged_dq();
     if constexpr (kStages == 2) {
       const int next = next_item(item + 1);
-      if (next < items) load_query_tile(next, stage ^ 1);
+      if (next < item_end) load_query_tile(next, stage ^ 1);
       cp_async_fence();
     }
     const bool read_boolean_mask = mask_cover(item) != MaskCover::kVisible;
@@ -273,7 +283,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cursor = next_item(item + 1) * 2 + (kStages == 2 ? stage ^ 1 : 0);
   }
 
-  // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores.
+  // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores, or add
+  // them to the block's slot.
+  if constexpr (kFusedDq) {
+    if (in_tail()) {
+      const int slot = (int(blockIdx.x) - tail.full_blocks) / tail.pieces_per_block;
+      cp_async_wait<0>();
+      __syncthreads();  // also orders the last item's staged dQ tile before its bulk reduction
+      reduce_staged_dq();
+      Tensor dkv_coords = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+      add_to_dkdv_slot<kBlockN, kHeadDim>(tail.slots + slot * dkdv_tail_slot_floats<kBlockN, kHeadDim>(), acc_dk,
+                                          acc_dv, dkv_coords, p.softmax_scale);
+      if constexpr (kBulkDq) {
+        if (tid == 0) bulk_wait_all();
+      }
+      return;
+    }
+  }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = converted<T>(acc_dk);
@@ -293,6 +319,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if constexpr (kBulkDq) {
     if (tid == 0) bulk_wait_all();  // the last reduction is complete (and has read its smem) before the CTA exits
   }
+}
+
+// One CTA: its key block, or in the fused form's split tail a piece of one (dkdv_tail_plan.h); the other forms get
+// no tail (full_blocks covers the grid).
+template <class Traits, bool kGeneral, bool kFusedDq>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dkdv_kernel(const AttentionBackwardParams p, bool vectorized, const DkdvTail tail) {
+  dkdv_segment<Traits, kGeneral, kFusedDq>(p, vectorized, tail, dkdv_segment_of(tail, blockIdx.x));
 }
 
 }  // namespace jax_flash::cuda::sm80

@@ -9,7 +9,9 @@
 // common-variant calls, jax_flash/_ffi_calls.py; JAX_FLASH_FUSED_DQ=0 turns it off) and runs the common variant:
 // the workspace is zeroed, the dK/dV pass also adds each item's dS K into its tile of it, and one elementwise pass
 // converts it (common/dq_accum.h; d=128 4k on the H200: 253 vs 224 TFLOP/s in the eighth session). The general
-// variant keeps the dQ pass, which also forms dbias.
+// variant keeps the dQ pass, which also forms dbias. Where every key block has the same items, the fused form also
+// splits its last wave across every SM (dkdv_tail_plan.h) when the call gives a dkdv_tail workspace: its slots are
+// zeroed before the pass and converted into dk / dv after it.
 #pragma once
 
 #include <string>
@@ -21,6 +23,7 @@
 #include "dbias.h"
 #include "backward_dq_kernel.h"
 #include "backward_row_kernels.h"
+#include "dkdv_tail.h"
 #include "kernel_traits.h"
 #include "launch_common.h"
 #include "score_tile.h"
@@ -36,8 +39,37 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_column_groups_kerne
   dq_from_column_groups<T>(p);
 }
 
+template <class T, int kBlockN, int kHeadDim>
+__global__ void __launch_bounds__(kDqConvertThreads)
+    dkdv_from_tail_slots_kernel(const AttentionBackwardParams p, const DkdvTail tail) {
+  dkdv_from_tail_slots<T, kBlockN, kHeadDim>(p, tail);
+}
+
+// Whether every key block of the call sees the same query tiles (no causal, window or sequence lengths), so that
+// its items split evenly (query_tiles_for_keys).
+inline bool key_blocks_see_every_query_tile(const AttentionParams& p) {
+  return !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_seqlens == nullptr && p.kv_seqlens == nullptr;
+}
+
+// The fused form's tail split for `blocks` key blocks, or none (dkdv_tail_plan.h).
+template <class Traits, class Kernel>
+DkdvTail plan_fused_tail(const AttentionBackwardParams& p, Kernel kernel, int smem_bytes, int64_t blocks) {
+  if (p.dkdv_tail == nullptr || !key_blocks_see_every_query_tile(p)) return whole_dkdv_blocks(blocks);
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads, smem_bytes) != cudaSuccess) {
+    cudaGetLastError();  // not left behind for a later launch check: the pass runs unsplit
+    return whole_dkdv_blocks(blocks);
+  }
+  const int64_t items = (p.heads_q / p.heads_kv) * ceil_div(p.seqlen_q, Traits::kBlockM);
+  constexpr int64_t kSlotFloats = dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>();
+  return plan_dkdv_tail(blocks, items, int64_t(sms) * per_sm, p.dkdv_tail_floats / kSlotFloats, p.dkdv_tail);
+}
+
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
 // on_sm90: the device is compute capability 9.x.
+// The fused form zeroes and converts its tail's slots around the pass.
 template <int kHeadDim, class Element>
 std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, bool on_sm90,
                         cudaStream_t stream) {
@@ -49,13 +81,27 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
   // kernel's kBulkDq): a superset of what the sm_80 build uses, so it also fits a build without sm_90a.
   const int smem_bytes = Traits::kSmemBytes + (fused_dq && on_sm90 ? Traits::kDqStagingBytes : 0);
   if (std::string err = allow_dynamic_smem(kernel, smem_bytes); !err.empty()) return err;
-  unsigned grid = 0;
-  if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid); !err.empty()) {
+  unsigned blocks = 0;
+  if (std::string err = grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &blocks); !err.empty()) {
     return err;
   }
-  if (grid == 0) return {};
-  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p, vectorized);
-  return last_launch_error("sm80 dK/dV kernel launch");
+  if (blocks == 0) return {};
+  const DkdvTail tail = fused_dq ? plan_fused_tail<Traits>(p, kernel, smem_bytes, blocks)
+                                 : whole_dkdv_blocks(blocks);
+  constexpr int64_t kSlotFloats = dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>();
+  if (tail.tail_blocks > 0 &&
+      cudaMemsetAsync(tail.slots, 0, tail.tail_blocks * kSlotFloats * sizeof(float), stream) != cudaSuccess) {
+    return last_launch_error("sm80 backward: zeroing dkdv_tail");
+  }
+  if (tail.ctas() > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
+  kernel<<<static_cast<unsigned>(tail.ctas()), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, tail);
+  if (std::string err = last_launch_error("sm80 dK/dV kernel launch"); !err.empty()) return err;
+  if (tail.tail_blocks == 0) return {};
+  const int64_t groups = tail.tail_blocks * Traits::kBlockN * (p.head_dim / 4);
+  dkdv_from_tail_slots_kernel<Element, Traits::kBlockN, Traits::kHeadDim>
+      <<<static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kDqConvertThreads), 65536)), kDqConvertThreads, 0,
+         stream>>>(p, tail);
+  return last_launch_error("sm80 dK/dV tail conversion kernel launch");
 }
 
 template <int kHeadDim, class Element>

@@ -37,9 +37,14 @@ struct BlockCoord {
   int64_t batch;
 };
 
+// Linear block `linear` of that folding (32-bit arithmetic: the grid has fewer than 2^31 CTAs).
+__host__ __device__ inline BlockCoord block_coord(unsigned linear, int num_blocks, int64_t heads) {
+  const int64_t slice = linear / num_blocks;
+  return {static_cast<int>(linear % num_blocks), slice % heads, slice / heads};
+}
+
 __device__ inline BlockCoord decode_block_coord(int num_blocks, int64_t heads) {
-  const int64_t slice = blockIdx.x / num_blocks;
-  return {static_cast<int>(blockIdx.x % num_blocks), slice % heads, slice / heads};
+  return block_coord(blockIdx.x, num_blocks, heads);
 }
 
 }  // namespace jax_flash::cuda::sm80

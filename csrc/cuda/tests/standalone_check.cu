@@ -548,6 +548,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
     p.softmax_d = poisoned<float>(nstat);
     // Poisoned: the fused-dQ path must zero it itself; deterministic calls must leave it alone.
     p.dq_accum = poisoned<float>(jax_flash::dq_workspace_elements(B, Sq, Hq, D));
+    // Also poisoned: the sm80 fused pass zeroes the slots of a tail it splits (most small uniform cases here).
+    p.dkdv_tail_floats = jax_flash::dkdv_tail_elements(B, Sk, Hkv);
+    p.dkdv_tail = poisoned<float>(p.dkdv_tail_floats);
     err = jax_flash::cuda::run_backward(p, nullptr);
     if (!err.empty()) {
       std::printf("    run_backward: %s  FAIL\n", err.c_str());
@@ -576,6 +579,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
     if (p.dbias) CHECK_CUDA(cudaFree(p.dbias));
     CHECK_CUDA(cudaFree(p.softmax_d));
     CHECK_CUDA(cudaFree(p.dq_accum));
+    CHECK_CUDA(cudaFree(p.dkdv_tail));
   }
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.d_lse), static_cast<const void*>(p.lse),
                           static_cast<const void*>(p.o), static_cast<const void*>(p.alibi_slopes),
@@ -626,6 +630,10 @@ std::vector<Case> case_grid(bool small) {
        .heads_q = 8, .heads_kv = 2, .head_dim = 128, .seqlens = true});
   add({.name = "d=64 64 rows (64-row tile) causal fp16", .batch = 2, .seqlen_q = 64, .seqlen_k = 300, .heads_q = 4,
        .heads_kv = 2, .head_dim = 64, .type = ElementType::kFloat16, .causal = true});
+  // Uniform key blocks, fewer than a wave: the sm80 fused pass cuts each into pieces adding into its tail slot
+  // (sm80/dkdv_tail_plan.h; here 12 blocks of 20 items, 10 pieces each), a ragged last key block among them.
+  add({.name = "fused dQ tail pieces GQA segments d=128", .batch = 2, .seqlen_q = 300, .seqlen_k = 333, .heads_q = 8,
+       .heads_kv = 2, .head_dim = 128, .segments = true});
   if (small) return cases;
   add({.name = "d=64 long keys seqlens + window fp16", .batch = 2, .seqlen_q = 700, .seqlen_k = 2500, .heads_q = 3,
        .heads_kv = 1, .head_dim = 64, .type = ElementType::kFloat16, .window_left = 900, .window_right = 40,
@@ -909,6 +917,8 @@ void bench(int64_t D) {
     p.d_lse = to_device(std::vector<float>(B * H * S, 0.0f));
     p.softmax_d = poisoned<float>(B * H * S);
     p.dq_accum = poisoned<float>(jax_flash::dq_workspace_elements(B, S, H, D));
+    p.dkdv_tail_floats = jax_flash::dkdv_tail_elements(B, S, H);
+    p.dkdv_tail = poisoned<float>(p.dkdv_tail_floats);
     std::vector<uint8_t> mask;
     for (int64_t b = 0; padding_mask && b < B; ++b) {
       for (int64_t j = 0; j < S; ++j) mask.push_back(j < S - S * b / (2 * B));
@@ -947,12 +957,15 @@ void bench(int64_t D) {
     // general variant, the padding-mask row, ignores it), without it (a dQ pass of its own), and deterministic.
     const float bwd_fused = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     float* dq_accum = p.dq_accum;
+    float* dkdv_tail = p.dkdv_tail;
     p.dq_accum = nullptr;
+    p.dkdv_tail = nullptr;
     const float bwd = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = true;
     const float bwd_deterministic = time_ms([&] { return jax_flash::cuda::run_backward(p, nullptr); });
     p.deterministic = false;
     p.dq_accum = dq_accum;
+    p.dkdv_tail = dkdv_tail;
     CHECK_CUDA(cudaGetLastError());
     if (padding_mask) bench_dense_forward(p, flops, time_ms);
     const double bwd_flops = 2.5 * flops * 1e-9;
