@@ -33,11 +33,15 @@
 
 namespace jax_flash::cuda::sm80 {
 
-// Items [segment.item_begin, segment.item_end) of key block segment.block (clamped to the block's items); a segment
-// with a slot adds dK/dV to tail.slots' slot instead of storing them.
-template <class Traits, bool kGeneral, bool kFusedDq>
-__device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, bool vectorized, const DkdvTail& tail,
-                                             const DkdvSegment& segment) {
+// One CTA: key block blockIdx.x whole; or with kPiece (the fused form's split tail, dkdv_tail_plan.h, launched after
+// the whole blocks) piece tail.full_blocks + blockIdx.x of a tail block's items, whose dK/dV it adds to the block's
+// slot instead of storing them. The piece arithmetic is all under kPiece, so that the whole blocks run the code
+// without it: in one kernel, or with the body in a device function taking the parameters by reference, the whole
+// blocks ran 2-3% slower at d=128 4k (seventeenth session). `tail` is unused without kPiece.
+template <class Traits, bool kGeneral, bool kFusedDq, bool kPiece = false>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    dkdv_kernel(const AttentionBackwardParams p, bool vectorized, const DkdvTail tail) {
+  static_assert(kFusedDq || !kPiece, "only the fused form splits its tail");
   static_assert(!(kGeneral && kFusedDq), "fused dQ is built for the common variant (dbias needs the dQ pass)");
   using namespace cute;
   using T = typename Traits::Element;
@@ -58,7 +62,10 @@ __device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, b
   T* smem_ds = smem_p + Traits::kPElems;
 
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kBlockN));
-  const BlockCoord cta = block_coord(static_cast<unsigned>(segment.block), num_n_blocks, p.heads_kv);
+  DkdvSegment segment;
+  if constexpr (kPiece) segment = dkdv_segment_of(tail, int64_t(tail.full_blocks) + blockIdx.x);
+  const BlockCoord cta = kPiece ? block_coord(static_cast<unsigned>(segment.block), num_n_blocks, p.heads_kv)
+                                : decode_block_coord(num_n_blocks, p.heads_kv);
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t n0 = int64_t(cta.block) * kBlockN;
   const int keys_in_bounds = static_cast<int>(min(int64_t(kBlockN), p.seqlen_k - n0));
@@ -70,10 +77,7 @@ __device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, b
   const SliceMask group_mask = make_slice_mask(p, cta.batch, cta.head * group);
   const TileSpan query_tiles = query_tiles_for_keys(group_mask, n0, kBlockN, kBlockM);
   const int items = static_cast<int>(group) * query_tiles.size();  // (query head, query tile) pairs
-  const int item_end = min(items, segment.item_end);
-  // Whether this CTA adds into a tail slot (a piece, dkdv_tail_plan.h): read from the kernel's parameters where
-  // needed, not held across the item loop.
-  auto in_tail = [&]() { return int(blockIdx.x) >= tail.full_blocks; };
+  const int item_end = kPiece ? min(items, segment.item_end) : items;
   auto item_head = [&](int item) { return cta.head * group + item / query_tiles.size(); };
   auto item_row0 = [&](int item) { return int64_t(query_tiles.begin + item % query_tiles.size()) * kBlockM; };
   // How the boolean mask's block summary covers an item's tile (general variant only); items it hides entirely
@@ -82,9 +86,9 @@ __device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, b
     return tile_mask_cover<kGeneral, kBlockM, kBlockN>(p, cta.batch, item_head(item), item_row0(item), n0);
   };
   auto next_item = [&](int item) { return next_unhidden_tile(item, item_end, mask_cover); };
-  const int first_item = next_item(segment.item_begin);
+  const int first_item = next_item(kPiece ? segment.item_begin : 0);
   if (first_item >= item_end) {
-    if (in_tail()) return;  // adds nothing to the slot (zeroed by the launcher)
+    if (kPiece) return;  // adds nothing to the slot (zeroed by the launcher)
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -285,20 +289,17 @@ __device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, b
 
   // Epilogue: dK carries the softmax scale of S = scale * Q K^T; stage dK/dV in the K/V buffers for row stores, or add
   // them to the block's slot.
-  if constexpr (kFusedDq) {
-    if (in_tail()) {
-      const int slot = (int(blockIdx.x) - tail.full_blocks) / tail.pieces_per_block;
-      cp_async_wait<0>();
-      __syncthreads();  // also orders the last item's staged dQ tile before its bulk reduction
-      reduce_staged_dq();
-      Tensor dkv_coords = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-      add_to_dkdv_slot<kBlockN, kHeadDim>(tail.slots + slot * dkdv_tail_slot_floats<kBlockN, kHeadDim>(), acc_dk,
-                                          acc_dv, dkv_coords, p.softmax_scale);
-      if constexpr (kBulkDq) {
-        if (tid == 0) bulk_wait_all();
-      }
-      return;
+  if constexpr (kPiece) {
+    cp_async_wait<0>();
+    __syncthreads();  // also orders the last item's staged dQ tile before its bulk reduction
+    reduce_staged_dq();
+    Tensor dkv_coords = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    add_to_dkdv_slot<kBlockN, kHeadDim>(tail.slots + segment.slot * dkdv_tail_slot_floats<kBlockN, kHeadDim>(),
+                                        acc_dk, acc_dv, dkv_coords, p.softmax_scale);
+    if constexpr (kBulkDq) {
+      if (tid == 0) bulk_wait_all();
     }
+    return;
   }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
@@ -319,14 +320,6 @@ __device__ __forceinline__ void dkdv_segment(const AttentionBackwardParams& p, b
   if constexpr (kBulkDq) {
     if (tid == 0) bulk_wait_all();  // the last reduction is complete (and has read its smem) before the CTA exits
   }
-}
-
-// One CTA: its key block, or in the fused form's split tail a piece of one (dkdv_tail_plan.h); the other forms get
-// no tail (full_blocks covers the grid).
-template <class Traits, bool kGeneral, bool kFusedDq>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    dkdv_kernel(const AttentionBackwardParams p, bool vectorized, const DkdvTail tail) {
-  dkdv_segment<Traits, kGeneral, kFusedDq>(p, vectorized, tail, dkdv_segment_of(tail, blockIdx.x));
 }
 
 }  // namespace jax_flash::cuda::sm80

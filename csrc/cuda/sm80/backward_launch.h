@@ -69,7 +69,8 @@ DkdvTail plan_fused_tail(const AttentionBackwardParams& p, Kernel kernel, int sm
 
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
 // on_sm90: the device is compute capability 9.x.
-// The fused form zeroes and converts its tail's slots around the pass.
+// The fused form with a split tail (dkdv_tail_plan.h): zero the slots, the whole blocks, the pieces, then the slots'
+// conversion.
 template <int kHeadDim, class Element>
 std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool fused_dq, bool on_sm90,
                         cudaStream_t stream) {
@@ -86,17 +87,22 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
     return err;
   }
   if (blocks == 0) return {};
-  const DkdvTail tail = fused_dq ? plan_fused_tail<Traits>(p, kernel, smem_bytes, blocks)
-                                 : whole_dkdv_blocks(blocks);
+  const DkdvTail tail = fused_dq ? plan_fused_tail<Traits>(p, kernel, smem_bytes, blocks) : whole_dkdv_blocks(blocks);
   constexpr int64_t kSlotFloats = dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>();
   if (tail.tail_blocks > 0 &&
       cudaMemsetAsync(tail.slots, 0, tail.tail_blocks * kSlotFloats * sizeof(float), stream) != cudaSuccess) {
     return last_launch_error("sm80 backward: zeroing dkdv_tail");
   }
-  if (tail.ctas() > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
-  kernel<<<static_cast<unsigned>(tail.ctas()), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, tail);
-  if (std::string err = last_launch_error("sm80 dK/dV kernel launch"); !err.empty()) return err;
+  if (tail.full_blocks > 0) {
+    kernel<<<static_cast<unsigned>(tail.full_blocks), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, {});
+    if (std::string err = last_launch_error("sm80 dK/dV kernel launch"); !err.empty()) return err;
+  }
   if (tail.tail_blocks == 0) return {};
+  auto piece_kernel = dkdv_kernel<Traits, false, true, true>;
+  if (std::string err = allow_dynamic_smem(piece_kernel, smem_bytes); !err.empty()) return err;
+  const int64_t pieces = int64_t(tail.tail_blocks) * tail.pieces_per_block;
+  piece_kernel<<<static_cast<unsigned>(pieces), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, tail);
+  if (std::string err = last_launch_error("sm80 dK/dV tail piece kernel launch"); !err.empty()) return err;
   const int64_t groups = tail.tail_blocks * Traits::kBlockN * (p.head_dim / 4);
   dkdv_from_tail_slots_kernel<Element, Traits::kBlockN, Traits::kHeadDim>
       <<<static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kDqConvertThreads), 65536)), kDqConvertThreads, 0,
