@@ -36,8 +36,8 @@ namespace jax_flash::cuda::sm80 {
 // One CTA: key block blockIdx.x whole; or with kPiece (the fused form's split tail, dkdv_tail_plan.h, launched after
 // the whole blocks) piece tail.full_blocks + blockIdx.x of a tail block's items, whose dK/dV it adds to the block's
 // slot instead of storing them. The piece arithmetic is all under kPiece, so that the whole blocks run the code
-// without it: in one kernel, or with the body in a device function taking the parameters by reference, the whole
-// blocks ran 2-3% slower at d=128 4k (seventeenth session). `tail` is unused without kPiece.
+// without it: with pieces in the same launch (the body a device function taking the parameters by reference, with a
+// segment walk) the whole blocks ran 3% slower at d=128 4k (seventeenth session). `tail` is unused without kPiece.
 template <class Traits, bool kGeneral, bool kFusedDq, bool kPiece = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const AttentionBackwardParams p, bool vectorized, const DkdvTail tail) {

@@ -10,7 +10,7 @@
 // the pieces as they free up, so the tail ends within about a piece of an even share. The pieces of a block add
 // their float32 dK and dV into its slot of a workspace (AttentionBackwardParams::dkdv_tail), and a small pass
 // converts the slots. (A CTA that ran two blocks' pieces, stream-K style, would balance exactly, but any second
-// segment in the kernel made ptxas spill over 900 bytes in the item loop against 68.)
+// segment in the kernel made ptxas spill over 900 bytes (loads) against 68.)
 #pragma once
 
 #include <cstdint>
