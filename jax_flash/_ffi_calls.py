@@ -172,10 +172,22 @@ _DKDV_TAIL_SLOT_FLOATS = 2 * 128 * 128
 _DKDV_TAIL_BLOCK_KEYS = 128
 
 
+def _uses_dkdv_tail(masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    """Whether a fused-dQ backward also gets the ``dkdv_tail`` workspace: only the calls whose last wave the sm80
+    fused pass can split, i.e. its common variant (no softcap, ALiBi or boolean mask: those run its general variant,
+    csrc/cuda/sm80/score_tile.h ``needs_general_variant``) where every key block sees the same query tiles (no
+    causal, window or sequence lengths: csrc/cuda/sm80/backward_launch.h ``key_blocks_see_every_query_tile``); the
+    others would leave it unused."""
+    return (not config.causal and config.window_left < 0 and config.window_right < 0 and config.softcap == 0
+            and masks.alibi_slopes.shape[-1] == 0 and not dense.has_mask
+            and masks.q_seqlens.shape[-1] == 0 and masks.kv_seqlens.shape[-1] == 0)
+
+
 def dkdv_tail_shape(k: jax.Array) -> tuple[int]:
     """``[floats]`` float32, declared beside ``dq_accum``: slots of float32 dK and dV for the key blocks of the
     last wave that the sm80 fused dK/dV pass splits across SMs (csrc/cuda/sm80/dkdv_tail_plan.h), at most
-    256 slots of 128 KiB (csrc/common/dq_workspace.h ``dkdv_tail_elements``)."""
+    256 slots of 128 KiB (csrc/common/dq_workspace.h ``dkdv_tail_elements``). Adding this result changed the
+    backward call's signature: modules serialised with ``jax.export`` before it must be exported again."""
     batch, seqlen_k, heads_kv, _ = k.shape
     blocks = batch * heads_kv * -(-seqlen_k // _DKDV_TAIL_BLOCK_KEYS)
     return (min(blocks, _DKDV_TAIL_MAX_SLOTS) * _DKDV_TAIL_SLOT_FLOATS,)
@@ -203,12 +215,12 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
         (_result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS) if fused_dq
          else jax.ShapeDtypeStruct((0,), jnp.float32)),
         # Sharded like k's head dim, which no mesh axis splits: every device gets whole slots.
-        (_result(k, dkdv_tail_shape(k), jnp.float32, dims=(3,)) if fused_dq
+        (_result(k, dkdv_tail_shape(k), jnp.float32, dims=(3,)) if fused_dq and _uses_dkdv_tail(masks, config, dense)
          else jax.ShapeDtypeStruct((0,), jnp.float32)),
         jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
     dq, dk, dv, _, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
-                                *_dense_arguments(dense), **_score_attributes(config),
-                                deterministic=bool(config.deterministic))
+                                      *_dense_arguments(dense), **_score_attributes(config),
+                                      deterministic=bool(config.deterministic))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

@@ -300,9 +300,10 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
 def test_sm80_fused_backward_splits_its_last_wave(head_dim, heads, feature, monkeypatch):
     """More key blocks than one wave, and not a whole number of waves (on the H200's 132 SMs: 560 blocks of 128 keys
     are 4 waves and 32 blocks over), so the fused dK/dV pass splits the last blocks' items across every SM
-    (csrc/cuda/sm80/dkdv_tail_plan.h): whole-block CTAs, tail CTAs of one and two segments adding into the slots, the
-    slots' conversion. The smaller cases of test_backward_dq_modes (fewer blocks than SMs) split too."""
+    (csrc/cuda/sm80/dkdv_tail_plan.h): whole-block CTAs, then pieces of the last blocks adding into their slots, the
+    slots' conversion. test_backward_dq_modes' none / segments cases (fewer blocks than SMs) split too."""
     use_backward_kernel(monkeypatch, "sm80", head_dim, feature)
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1")
     case = Case(batch=1, seqlen_q=512, seqlen_k=512, heads_q=heads[0], heads_kv=heads[1], head_dim=head_dim,
                 dtype=jnp.bfloat16, seed=head_dim + heads[1])
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
@@ -605,8 +606,8 @@ def _raw_calls_with_summary(q, k, v, mask, summary):
         jax.ShapeDtypeStruct(_ffi_calls.dq_workspace_shape(q), jnp.float32),
         jax.ShapeDtypeStruct(_ffi_calls.dkdv_tail_shape(k), jnp.float32),
         jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
-    dq, dk, dv, _, _, _, _ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
-                                deterministic=False)
+    dq, dk, dv, *_ = backward(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense, **attributes,
+                              deterministic=False)
     return o, lse, dq, dk, dv
 
 

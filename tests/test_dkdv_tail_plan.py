@@ -1,6 +1,6 @@
 """The sm80 fused dK/dV pass splits its last, partly filled wave of key blocks across every SM
-(csrc/cuda/sm80/dkdv_tail_plan.h): each tail item must be covered exactly once, by runs of at most two blocks. The
-check (csrc/cuda/tests/dkdv_tail_plan_check.cc) runs on the CPU; it needs only g++."""
+(csrc/cuda/sm80/dkdv_tail_plan.h): each tail item must be covered exactly once, by pieces that each lie in one block.
+The check (csrc/cuda/tests/dkdv_tail_plan_check.cc) runs on the CPU; it needs only g++."""
 
 import os
 import shutil

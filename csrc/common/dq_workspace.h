@@ -29,8 +29,8 @@ constexpr int64_t dq_workspace_elements(int64_t batch, int64_t seqlen_q, int64_t
 }
 
 // The dkdv_tail workspace (AttentionBackwardParams::dkdv_tail), declared beside dq_accum: up to kDkdvTailMaxSlots
-// slots of one key block's float32 dK and dV, sized for the widest sm80 fused-dQ block (128 keys x head_dim 128;
-// fused dQ stops at head_dim 128), never more slots than the call has key blocks of 128. A wave holds at most
+// slots of one key block's float32 dK and dV, sized for the widest sm80 block (128 keys x head_dim 128; d=192/256 have
+// 64-key blocks, no larger; sm80/dkdv_tail.h asserts it), never more slots than the call has key blocks of 128. A wave holds at most
 // SMs x CTAs per SM blocks, so this covers GPUs of up to 256 such CTAs per wave; the launcher splits no tail it has
 // no room for.
 constexpr int64_t kDkdvTailMaxSlots = 256;

@@ -51,20 +51,26 @@ inline bool key_blocks_see_every_query_tile(const AttentionParams& p) {
   return !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_seqlens == nullptr && p.kv_seqlens == nullptr;
 }
 
-// The fused form's tail split for `blocks` key blocks, or none (dkdv_tail_plan.h).
-template <class Traits, class Kernel>
-DkdvTail plan_fused_tail(const AttentionBackwardParams& p, Kernel kernel, int smem_bytes, int64_t blocks) {
-  if (p.dkdv_tail == nullptr || !key_blocks_see_every_query_tile(p)) return whole_dkdv_blocks(blocks);
+// The fused form's tail split for `blocks` key blocks, or none (dkdv_tail_plan.h): also none where the workspace is
+// not 16-byte aligned (the slots' float4 reads and pair reductions) or the piece kernel cannot get its shared memory,
+// so that nothing is queued before the split is known to run.
+template <class Traits, class Kernel, class PieceKernel>
+DkdvTail plan_fused_tail(const AttentionBackwardParams& p, Kernel kernel, PieceKernel piece_kernel, int smem_bytes,
+                         int64_t blocks) {
+  if (p.dkdv_tail == nullptr || !key_blocks_see_every_query_tile(p) || !aligned16(p.dkdv_tail)) {
+    return whole_dkdv_blocks(blocks);
+  }
   int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
+  if (!allow_dynamic_smem(piece_kernel, smem_bytes).empty() || cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads, smem_bytes) != cudaSuccess) {
     cudaGetLastError();  // not left behind for a later launch check: the pass runs unsplit
     return whole_dkdv_blocks(blocks);
   }
+  // Every block's items, as the kernel counts them (query_tiles_for_keys: all query tiles, given the test above).
   const int64_t items = (p.heads_q / p.heads_kv) * ceil_div(p.seqlen_q, Traits::kBlockM);
-  constexpr int64_t kSlotFloats = dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>();
-  return plan_dkdv_tail(blocks, items, int64_t(sms) * per_sm, p.dkdv_tail_floats / kSlotFloats, p.dkdv_tail);
+  return plan_dkdv_tail(blocks, items, int64_t(sms) * per_sm,
+                        p.dkdv_tail_floats / dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>(), p.dkdv_tail);
 }
 
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
@@ -87,19 +93,21 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
     return err;
   }
   if (blocks == 0) return {};
-  const DkdvTail tail = fused_dq ? plan_fused_tail<Traits>(p, kernel, smem_bytes, blocks) : whole_dkdv_blocks(blocks);
-  constexpr int64_t kSlotFloats = dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>();
-  if (tail.tail_blocks > 0 &&
-      cudaMemsetAsync(tail.slots, 0, tail.tail_blocks * kSlotFloats * sizeof(float), stream) != cudaSuccess) {
-    return last_launch_error("sm80 backward: zeroing dkdv_tail");
+  auto piece_kernel = dkdv_kernel<Traits, false, true, true>;
+  const DkdvTail tail =
+      fused_dq ? plan_fused_tail<Traits>(p, kernel, piece_kernel, smem_bytes, blocks) : whole_dkdv_blocks(blocks);
+  if (tail.tail_blocks > 0) {
+    const size_t bytes = tail.tail_blocks * dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>() * sizeof(float);
+    if (const cudaError_t err = cudaMemsetAsync(tail.slots, 0, bytes, stream); err != cudaSuccess) {
+      return std::string("sm80 backward: zeroing dkdv_tail: ") + cudaGetErrorString(err);
+    }
   }
   if (tail.full_blocks > 0) {
+    // The whole blocks; `tail` is unused there (so is its default, full_blocks = 2^31 - 1).
     kernel<<<static_cast<unsigned>(tail.full_blocks), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, {});
     if (std::string err = last_launch_error("sm80 dK/dV kernel launch"); !err.empty()) return err;
   }
   if (tail.tail_blocks == 0) return {};
-  auto piece_kernel = dkdv_kernel<Traits, false, true, true>;
-  if (std::string err = allow_dynamic_smem(piece_kernel, smem_bytes); !err.empty()) return err;
   const int64_t pieces = int64_t(tail.tail_blocks) * tail.pieces_per_block;
   piece_kernel<<<static_cast<unsigned>(pieces), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, tail);
   if (std::string err = last_launch_error("sm80 dK/dV tail piece kernel launch"); !err.empty()) return err;

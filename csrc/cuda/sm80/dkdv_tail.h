@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "../../common/attention_params.h"
+#include "../../common/dq_workspace.h"
 #include "../common/dq_accum.h"
 #include "dkdv_tail_plan.h"
 #include "tensor_offsets.h"
@@ -17,6 +18,8 @@ namespace jax_flash::cuda::sm80 {
 
 template <int kBlockN, int kHeadDim>
 constexpr int64_t dkdv_tail_slot_floats() {
+  // The Python side sizes the workspace in slots of kDkdvTailSlotFloats (common/dq_workspace.h).
+  static_assert(2 * int64_t(kBlockN) * kHeadDim <= kDkdvTailSlotFloats, "a slot larger than the declared ones");
   return 2 * int64_t(kBlockN) * kHeadDim;
 }
 

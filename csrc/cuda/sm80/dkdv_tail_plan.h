@@ -6,16 +6,18 @@
 // for a whole block's time: d=128 at 16k tokens launches 2048 blocks on the H200's 132 SMs, 15.5 waves that take as
 // long as 16 (the seventeenth session measured 62, 64 and 66 heads at seqlen 4096 in the same 5.17 ms). So the first
 // `full_blocks` blocks keep a CTA each, and each of the remaining `tail_blocks` blocks is cut into
-// `pieces_per_block` CTAs of equal runs of its (query head, query tile) items, launched after them: the SMs take
-// the pieces as they free up, so the tail ends within about a piece of an even share. The pieces of a block add
-// their float32 dK and dV into its slot of a workspace (AttentionBackwardParams::dkdv_tail), and a small pass
-// converts the slots. (A CTA that ran two blocks' pieces, stream-K style, would balance exactly, but any second
-// segment in the kernel made ptxas spill over 900 bytes (loads) against 68.)
+// `pieces_per_block` CTAs of equal runs of its (query head, query tile) items, in a second launch after them (so it
+// starts once the whole blocks are done): its SMs take the pieces as they free up, so the tail ends within about a
+// piece of an even share. The pieces of a block add their float32 dK and dV into its slot of a workspace
+// (AttentionBackwardParams::dkdv_tail), and a small pass converts the slots. (A CTA that ran two blocks' pieces,
+// stream-K style, would balance exactly, but any second segment in the kernel made ptxas spill 956-1708 bytes of
+// loads against 68.) The adds arrive in any order, so dk and dv of split blocks are not bit-reproducible run to
+// run, like the fused dQ (deterministic calls never take this path).
 #pragma once
 
 #include <cstdint>
 
-#include "../../common/score_pipeline.h"
+#include "../../common/score_pipeline.h"  // JF_HOST_DEVICE
 
 namespace jax_flash::cuda::sm80 {
 
@@ -37,9 +39,11 @@ JF_HOST_DEVICE DkdvTail whole_dkdv_blocks(int64_t blocks) {
 }
 
 // A piece is at least this many items; each also loads K/V and adds a whole slot, reckoned as about one item's time
-// (kDkdvPieceOverheadItems) when choosing how many pieces to cut.
+// (kDkdvPieceOverheadItems) when choosing how many pieces to cut, out of at most kDkdvMaxPieces (a bound on the
+// host's search; the H200's measured plans cut 4-16).
 constexpr int64_t kDkdvTailMinItems = 2;
 constexpr int64_t kDkdvPieceOverheadItems = 1;
+constexpr int64_t kDkdvMaxPieces = 256;
 
 // The split for `blocks` key blocks of `items_per_block` items each, in waves of `ctas_per_wave`, with room for
 // `slot_capacity` slots: the pieces per block that end the tail soonest, reckoning that the SMs take pieces in
@@ -55,7 +59,7 @@ JF_HOST_DEVICE DkdvTail plan_dkdv_tail(int64_t blocks, int64_t items_per_block, 
     return rounds * ((items_per_block + pieces - 1) / pieces + kDkdvPieceOverheadItems);
   };
   int64_t best = 1;
-  for (int64_t pieces = 2; pieces * kDkdvTailMinItems <= items_per_block; ++pieces) {
+  for (int64_t pieces = 2; pieces * kDkdvTailMinItems <= items_per_block && pieces <= kDkdvMaxPieces; ++pieces) {
     if (tail_time(pieces) < tail_time(best)) best = pieces;
   }
   if (4 * tail_time(best) > 3 * tail_time(1)) return none;

@@ -33,7 +33,9 @@ void check(int64_t blocks, int64_t items, int64_t wave, int64_t capacity) {
     }
   }
   if (tail.tail_blocks == 0) {
-    if (tail.full_blocks != blocks || tail.ctas() != blocks) fail("no split keeps every block", blocks, items, wave, -1);
+    if (tail.full_blocks != blocks || tail.ctas() != blocks) {
+      fail("no split keeps every block", blocks, items, wave, -1);
+    }
     const int64_t rest = blocks % wave;
     if (rest != 0 && rest <= capacity && items >= 8 && wave >= 2 && rest * 4 <= wave) {
       fail("a quarter-full last wave was not split", blocks, items, wave, -1);
