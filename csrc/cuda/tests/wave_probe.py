@@ -12,26 +12,17 @@ how much of that benchmark's lead over bench_attention.py comes from its inputs.
 
 import argparse
 import os
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks"))
+from bench_attention import median_seconds  # noqa: E402 - the benchmark's timing, so the two numbers compare
+
 SEQLEN, HEAD_DIM = 4096, 128
-
-
-def seconds_per_call(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    trials = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        trials.append((time.perf_counter() - start) / reps)
-    return sorted(trials)[1]
 
 
 def main():
@@ -52,7 +43,7 @@ def main():
         _, vjp = jax.vjp(lambda q, k, v: jax_flash.attention(q, k, v), q, k, v)
         backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
         flops = 2.5 * 4.0 * args.batch * heads * SEQLEN * SEQLEN * HEAD_DIM
-        seconds = seconds_per_call(backward, (vjp, d_o), args.reps)
+        seconds = median_seconds(backward, (vjp, d_o), args.reps)
         ctas = args.batch * heads * (SEQLEN // 128)
         print(f"family={args.family} batch={args.batch} heads={heads} dkdv_ctas={ctas} "
               f"same_inputs={args.same_inputs}: bwd {seconds * 1e3:.3f} ms {flops / seconds / 1e12:.1f} TFLOP/s",
