@@ -54,22 +54,21 @@ inline bool key_blocks_see_every_query_tile(const AttentionParams& p) {
 // The fused form's tail split for `blocks` key blocks, or none (dkdv_tail_plan.h): also none where the workspace is
 // not 16-byte aligned (the slots' float4 reads and pair reductions) or the piece kernel cannot get its shared memory,
 // so that nothing is queued before the split is known to run.
-template <class Traits, class Kernel, class PieceKernel>
-DkdvTail plan_fused_tail(const AttentionBackwardParams& p, Kernel kernel, PieceKernel piece_kernel, int smem_bytes,
-                         int64_t blocks) {
+// The wave is that of the whole-block kernel, dkdv_kernel<Traits, false, true> (the fused form; its shared memory,
+// smem_bytes, is the same at every call on a device).
+template <class Traits, class PieceKernel>
+DkdvTail plan_fused_tail(const AttentionBackwardParams& p, PieceKernel piece_kernel, int smem_bytes, int64_t blocks) {
   if (p.dkdv_tail == nullptr || !key_blocks_see_every_query_tile(p) || !aligned16(p.dkdv_tail)) {
     return whole_dkdv_blocks(blocks);
   }
-  int device = 0, sms = 0, per_sm = 0;
-  if (!allow_dynamic_smem(piece_kernel, smem_bytes).empty() || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads, smem_bytes) != cudaSuccess) {
-    cudaGetLastError();  // not left behind for a later launch check: the pass runs unsplit
-    return whole_dkdv_blocks(blocks);
+  int64_t wave = 0;
+  if (!allow_dynamic_smem(piece_kernel, smem_bytes).empty() ||
+      !resident_ctas<dkdv_kernel<Traits, false, true>>(Traits::kThreads, smem_bytes, &wave).empty()) {
+    return whole_dkdv_blocks(blocks);  // the pass runs unsplit
   }
   // Every block's items, as the kernel counts them (query_tiles_for_keys: all query tiles, given the test above).
   const int64_t items = (p.heads_q / p.heads_kv) * ceil_div(p.seqlen_q, Traits::kBlockM);
-  return plan_dkdv_tail(blocks, items, int64_t(sms) * per_sm,
+  return plan_dkdv_tail(blocks, items, wave,
                         p.dkdv_tail_floats / dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>(), p.dkdv_tail);
 }
 
@@ -95,7 +94,7 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
   if (blocks == 0) return {};
   auto piece_kernel = dkdv_kernel<Traits, false, true, true>;
   const DkdvTail tail =
-      fused_dq ? plan_fused_tail<Traits>(p, kernel, piece_kernel, smem_bytes, blocks) : whole_dkdv_blocks(blocks);
+      fused_dq ? plan_fused_tail<Traits>(p, piece_kernel, smem_bytes, blocks) : whole_dkdv_blocks(blocks);
   if (tail.tail_blocks > 0) {
     const size_t bytes = tail.tail_blocks * dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>() * sizeof(float);
     if (const cudaError_t err = cudaMemsetAsync(tail.slots, 0, bytes, stream); err != cudaSuccess) {

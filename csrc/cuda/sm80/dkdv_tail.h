@@ -1,5 +1,5 @@
-// The device side of the fused dK/dV pass's split tail (dkdv_tail_plan.h has the plan): the runs that share a key
-// block add their dK and dV to its workspace slot, and one pass converts the slots into dk and dv.
+// The device side of the fused dK/dV pass's split tail (dkdv_tail_plan.h has the plan): the pieces of a key block
+// add their dK and dV to its workspace slot, and one pass converts the slots into dk and dv.
 // A slot: the block's dK (already scaled) then its dV, each [kBlockN][kHeadDim] float32 row-major (the kernel's
 // head dim: a narrower call leaves the columns past its head_dim unread).
 #pragma once

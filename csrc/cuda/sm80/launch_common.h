@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -46,6 +48,30 @@ std::string allow_dynamic_smem(Kernel kernel, int bytes) {
            "allows " + std::to_string(limit) + " (a smaller head dim runs)";
   }
   return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
+}
+
+// CTAs of kKernel (launched with `threads` threads and `smem_bytes` of dynamic shared memory, the same at every call
+// on a device) that fit on the current GPU at once, SMs x CTAs per SM: the size of one wave. Looked up once per device
+// (the kernel's dynamic shared memory limit must have been raised already); on failure, the CUDA error's name (also
+// cleared, so that no later launch check reports it).
+template <auto kKernel>
+std::string resident_ctas(int threads, int smem_bytes, int64_t* ctas) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> known[kMaxDevices];  // 0: not looked up yet
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("cudaGetDevice: ") + cudaGetErrorString(err);
+  }
+  if (device >= 0 && device < kMaxDevices && (*ctas = known[device].load(std::memory_order_relaxed)) > 0) return {};
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes) != cudaSuccess) {
+    return cudaGetErrorString(cudaGetLastError());
+  }
+  *ctas = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  if (device >= 0 && device < kMaxDevices) known[device].store(*ctas, std::memory_order_relaxed);
+  return {};
 }
 
 // The general variant reads bias/mask at 32-bit offsets from a thread's first element of a tile: rows at most

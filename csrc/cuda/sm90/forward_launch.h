@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -84,28 +83,14 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
   return {};
 }
 
-// CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (SMs x CTAs per SM), looked up
-// once per device (its dynamic shared memory limit must have been raised already).
+// CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> known[kMaxDevices];  // 0: not looked up yet
-  const auto kernel = forward_kernel<Traits, kVariant>;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return "sm90 forward: cudaGetDevice failed while sizing the persistent grid";
+  if (std::string err = sm80::resident_ctas<forward_kernel<Traits, kVariant>>(Traits::kThreads, Traits::kSmemBytes,
+                                                                            ctas);
+      !err.empty()) {
+    return "sm90 forward: sizing the persistent grid: " + err;
   }
-  if (device >= 0 && device < kMaxDevices && (*ctas = known[device].load(std::memory_order_relaxed)) > 0) return {};
-  int sms = 0, per_sm = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads, Traits::kSmemBytes) !=
-          cudaSuccess) {
-    const cudaError_t err = cudaGetLastError();
-    return std::string("sm90 forward: sizing the persistent grid: ") + cudaGetErrorString(err);
-  }
-  *ctas = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
-  if (device >= 0 && device < kMaxDevices) known[device].store(*ctas, std::memory_order_relaxed);
   return {};
 }
 
