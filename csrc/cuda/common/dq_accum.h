@@ -17,6 +17,7 @@
 
 #include "../../common/attention_params.h"
 #include "../sm80/launch_common.h"
+#include "../sm80/tensor_offsets.h"
 #include "async_proxy_fence.h"
 #include "block_range.h"
 #include "bulk_reduce.h"
@@ -124,54 +125,77 @@ __device__ __forceinline__ void stage_dq_columns(float* staging, const Acc& acc,
 
 constexpr int kDqConvertThreads = 256;
 
-// Work items of sm80's conversion: the 4 columns of a group in one (row, head) where the workspace is 16-byte
-// aligned (dq_from_column_groups reads them as one float4), single elements otherwise.
-__host__ __device__ inline int dq_convert_width(const AttentionBackwardParams& p) {
-  return reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0 ? kDqGroupWidth : 1;
-}
-__host__ __device__ inline int64_t dq_convert_items(const AttentionBackwardParams& p) {
-  return p.batch * p.seqlen_q * p.heads_q * (p.head_dim / dq_convert_width(p));
-}
-
 // sm80's conversion: dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's element
-// type, grid-stride over dq in its own order (dense, like q), so that the stores are contiguous and each read is 16
-// (or 4) contiguous bytes of a chunk. A device function so that each family wraps it in a kernel of its own (see
+// type. CTAs stride over the chunks (query tiles, dq_convert_blocks of them) and their threads over a chunk's rows
+// in dq's order, 4 columns (one column group: 16 contiguous bytes of the chunk) per thread where the workspace is
+// 16-byte aligned, so that a warp's stores are contiguous; two such reads in flight per thread. The chunk's
+// coordinates are divided out once per CTA: per element, 64-bit index arithmetic was most of this pass's
+// instructions (116 us at d=128 4k, 16k tokens and 16 heads under Nsight Compute; its 200 MB take ~50 us at 4 TB/s).
+// Rows past seqlen_q are skipped. A device function so that each family wraps it in a kernel of its own (see
 // sm80/backward_launch.h: a template kernel instantiated in translation units built for different architectures
 // would be registered twice).
+__host__ __device__ inline int64_t dq_convert_blocks(const AttentionBackwardParams& p) {
+  return p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);
+}
+
 template <class T>
 __device__ __forceinline__ void dq_from_column_groups(const AttentionBackwardParams& p) {
-  const int width = dq_convert_width(p);
+  struct alignas(kDqGroupWidth * sizeof(T)) Group { T v[kDqGroupWidth]; };
+  constexpr int kRows = static_cast<int>(kDqWorkspaceTileRows);
   const int head_dim = static_cast<int>(p.head_dim);
-  const int64_t items_per_row = head_dim / width;
-  const int64_t count = dq_convert_items(p);
-  T* dq = static_cast<T*>(p.dq);
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = first; i < count; i += stride) {
-    const int col = static_cast<int>(i % items_per_row) * width;
-    const int64_t row_head = i / items_per_row;  // (batch, query row, head) in q's order
-    const int64_t head = row_head % p.heads_q;
-    const int64_t row = row_head / p.heads_q % p.seqlen_q;
-    const int64_t batch = row_head / p.heads_q / p.seqlen_q;
-    const float* sum = dq_workspace_chunk(p, batch, head, row / kDqWorkspaceTileRows) +
-                       dq_column_group_offset(static_cast<int>(row % kDqWorkspaceTileRows), col);
-    T* out = dq + row_head * head_dim + col;
-    if (width == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(sum);
-      out[0] = T(v.x * p.softmax_scale);
-      out[1] = T(v.y * p.softmax_scale);
-      out[2] = T(v.z * p.softmax_scale);
-      out[3] = T(v.w * p.softmax_scale);
-    } else {
-      out[0] = T(*sum * p.softmax_scale);
+  // One group per thread needs 16-byte reads of the workspace and 4-element stores into dq.
+  const bool by_group = reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(p.dq) % sizeof(Group) == 0;
+  const int width = by_group ? kDqGroupWidth : 1;
+  const int items_per_row = head_dim / width;
+  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
+  const int64_t chunks = dq_convert_blocks(p);
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  const int64_t row_stride = q_shape.row_stride();
+  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int64_t m0 = chunk % tiles * kRows;
+    const int64_t head = chunk / tiles % p.heads_q, batch = chunk / tiles / p.heads_q;
+    const float* sums = p.dq_accum + chunk * kRows * head_dim;
+    T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
+    const int items = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0)) * items_per_row;
+    auto column = [&](int item, int* row) {
+      *row = item / items_per_row;
+      return (item - *row * items_per_row) * width;
+    };
+    if (!by_group) {
+      for (int item = threadIdx.x; item < items; item += blockDim.x) {
+        int row;
+        const int col = column(item, &row);
+        dq[row * row_stride + col] = T(sums[dq_column_group_offset(row, col)] * p.softmax_scale);
+      }
+      continue;
+    }
+    auto read = [&](int item) {
+      int row;
+      const int col = column(item, &row);
+      return *reinterpret_cast<const float4*>(sums + dq_column_group_offset(row, col));
+    };
+    auto write = [&](int item, float4 sum) {
+      int row;
+      const int col = column(item, &row);
+      const float s = p.softmax_scale;
+      *reinterpret_cast<Group*>(dq + row * row_stride + col) =
+          Group{{T(sum.x * s), T(sum.y * s), T(sum.z * s), T(sum.w * s)}};
+    };
+    for (int item = threadIdx.x; item < items; item += 2 * blockDim.x) {
+      const int second = item + blockDim.x;
+      const float4 first_sum = read(item);
+      const float4 second_sum = second < items ? read(second) : float4{};
+      write(item, first_sum);
+      if (second < items) write(second, second_sum);
     }
   }
 }
 
 // The dQ part of a fused backward, after softmax_d: zero the first `count` floats of the workspace (what the family's
 // layout uses), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds into it), then its conversion
-// kernel of kDqConvertThreads threads (dq_from_column_groups or sm90's dq_from_tiles; both grid-stride, so the grid is
-// `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
+// kernel of kDqConvertThreads threads (dq_from_column_groups or sm90's dq_from_tiles; both stride over the chunks, so
+// the grid is `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
 template <class LaunchFusedDkdv>
 std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, int64_t count,
                          LaunchFusedDkdv launch_fused_dkdv, void (*convert_kernel)(const AttentionBackwardParams),

@@ -10,6 +10,7 @@
 #include "../common/block_range.h"
 #include "../sm80/backward_row_kernels.h"
 #include "../sm80/launch_common.h"
+#include "../sm80/softmax_d_launch.h"
 #include "../common/dbias_plan.h"
 #include "backward_kernels.h"
 #include "dbias_kernel.h"
@@ -142,13 +143,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
       !err.empty())
     return err;
   const bool vectorized = rows_are_16b_aligned(p) && sm80::aligned16(p.d_o);
-  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
-  const int64_t row_blocks = ceil_div(rows, sm80::kRowKernelWarps);
-  if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
-  if (row_blocks > 0) {
-    sm80::softmax_d_kernel<float><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
-    if (std::string err = sm80::last_launch_error("float32 softmax_d kernel launch"); !err.empty()) return err;
-  }
+  if (std::string err = sm80::launch_softmax_d<float>(p, sm80::softmax_d_kernel<float>, stream, "float32");
+      !err.empty())
+    return err;
   const bool general = needs_general_variant(p);
   const DbiasPlan dbias = plan_dbias(p);
   if (std::string err = launch_dkdv_dq<kHeadDim>(p, vectorized, general, dbias.dq_mode, hopper, stream);

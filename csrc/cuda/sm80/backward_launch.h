@@ -27,6 +27,7 @@
 #include "kernel_traits.h"
 #include "launch_common.h"
 #include "score_tile.h"
+#include "softmax_d_launch.h"
 
 namespace jax_flash::cuda::sm80 {
 
@@ -158,12 +159,8 @@ template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (std::string err = check_dense_strides(p); !err.empty()) return err;
   const bool vectorized = backward_rows_are_16b_aligned(p);
-  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
-  const int64_t row_blocks = ceil_div(rows, kRowKernelWarps);
-  if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
-  if (row_blocks > 0) {
-    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), kRowKernelWarps * 32, 0, stream>>>(p);
-    if (std::string err = last_launch_error("sm80 softmax_d kernel launch"); !err.empty()) return err;
+  if (std::string err = launch_softmax_d<Element>(p, softmax_d_kernel<Element>, stream, "sm80"); !err.empty()) {
+    return err;
   }
   // The fused form adds pairs of columns in groups of 4 (common/dq_accum.h; its sm_90 build whole tiles with bulk
   // reductions, 16-byte multiples): a head_dim that is not a multiple of 4 (rare: it runs on a wider kernel) takes
@@ -174,7 +171,7 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     const int64_t count = dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim);
     return run_fused_dq(
         p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, on_sm90, stream); },
-        dq_from_column_groups_kernel<Element>, ceil_div(dq_convert_items(p), kDqConvertThreads), "sm80");
+        dq_from_column_groups_kernel<Element>, dq_convert_blocks(p), "sm80");
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, on_sm90, stream); !err.empty()) {
     return err;

@@ -4,31 +4,94 @@
 #include <cstdint>
 
 #include "../../common/attention_params.h"
+#include "../common/block_range.h"
 #include "tensor_offsets.h"
 
 namespace jax_flash::cuda::sm80 {
 
 constexpr int kRowKernelWarps = 8;
 
-// One warp per (batch, query row, head): rows are contiguous head_dim vectors in BSHD, so lanes stride through
-// them coalesced. A device function so that each kernel family wraps it in a kernel of its own (a template kernel
-// instantiated in translation units built for different architectures would be registered twice).
+// Rows are contiguous head_dim vectors in BSHD, read as 16-byte vectors of `width` elements where the call allows
+// (softmax_d_vector_width), one element at a time otherwise. A row gets the fewest lanes that cover it in one
+// vector each, rounded up to a power of two so that a row's lanes are an aligned group of the warp (its shuffle
+// reduction stays inside the group), at most a warp (wider rows loop). d=128 bf16: 16 lanes, two rows per warp,
+// so that each warp keeps twice the bytes in flight of a warp per row.
+JF_HOST_DEVICE int softmax_d_lanes_per_row(int64_t head_dim, int width) {
+  int lanes = 1;
+  while (lanes < 32 && int64_t(lanes) * width < head_dim) lanes *= 2;
+  return lanes;
+}
+
+template <class T>
+JF_HOST_DEVICE int softmax_d_vector_width(const AttentionBackwardParams& p) {
+  constexpr int kWidth = 16 / static_cast<int>(sizeof(T));
+  const bool aligned = (reinterpret_cast<uintptr_t>(p.o) | reinterpret_cast<uintptr_t>(p.d_o)) % 16 == 0;
+  return aligned && p.head_dim % kWidth == 0 ? kWidth : 1;
+}
+
+// The grid of softmax_d_kernel (kRowKernelWarps warps per CTA), as the kernel divides the rows among its CTAs.
+template <class T>
+JF_HOST_DEVICE int64_t softmax_d_rows_per_block(const AttentionBackwardParams& p) {
+  return kRowKernelWarps * 32 / softmax_d_lanes_per_row(p.head_dim, softmax_d_vector_width<T>(p));
+}
+template <class T>
+JF_HOST_DEVICE int64_t softmax_d_blocks(const AttentionBackwardParams& p) {
+  return ceil_div(p.batch * p.seqlen_q * p.heads_q, softmax_d_rows_per_block<T>(p));
+}
+
+// (batch, head, position) of BSHD row ((b * Sq) + i) * Hq + h, as its softmax_d offset. Two 32-bit divisions where
+// the rows fit (always, in practice): 64-bit ones are long software sequences, and with one warp per row they were
+// most of this pass's instructions (92 us at d=128 4k, 16k tokens and 16 heads under Nsight Compute; its 134 MB of
+// reads take ~33 us at 4 TB/s).
+JF_HOST_DEVICE int64_t softmax_d_stat_offset(const AttentionBackwardParams& p, int64_t row, int64_t rows) {
+  int64_t head, position, batch;
+  if (rows <= int64_t(UINT32_MAX)) {
+    const uint32_t r = static_cast<uint32_t>(row), heads = static_cast<uint32_t>(p.heads_q);
+    const uint32_t batch_position = r / heads, seqlen = static_cast<uint32_t>(p.seqlen_q);
+    head = r - batch_position * heads;
+    batch = batch_position / seqlen;
+    position = batch_position - static_cast<uint32_t>(batch) * seqlen;
+  } else {
+    head = row % p.heads_q;
+    position = (row / p.heads_q) % p.seqlen_q;
+    batch = row / (p.heads_q * p.seqlen_q);
+  }
+  return row_stat_offset(p, batch, head, position);
+}
+
+template <class T, int kWidth>
+__device__ __forceinline__ void softmax_d_rows_of_width(const AttentionBackwardParams& p) {
+  struct alignas(kWidth * sizeof(T)) Vector { T v[kWidth]; };
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int lanes = softmax_d_lanes_per_row(head_dim, kWidth);
+  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
+  const int64_t row = int64_t(blockIdx.x) * (kRowKernelWarps * 32 / lanes) + threadIdx.x / lanes;
+  const int lane = threadIdx.x % lanes;
+  float dot = 0.0f;
+  if (row < rows) {  // lanes past the last row still take part in the shuffles below
+    const T* out = static_cast<const T*>(p.o) + row * head_dim;
+    const T* d_out = static_cast<const T*>(p.d_o) + row * head_dim;
+    for (int c = lane * kWidth; c < head_dim; c += lanes * kWidth) {
+      const Vector a = *reinterpret_cast<const Vector*>(out + c);
+      const Vector b = *reinterpret_cast<const Vector*>(d_out + c);
+      for (int k = 0; k < kWidth; ++k) dot += float(a.v[k]) * float(b.v[k]);
+    }
+  }
+  for (int offset = lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+  if (lane != 0 || row >= rows) return;
+  const int64_t stat = softmax_d_stat_offset(p, row, rows);
+  p.softmax_d[stat] = dot - (p.d_lse != nullptr ? p.d_lse[stat] : 0.0f);
+}
+
+// A device function so that each kernel family wraps it in a kernel of its own (a template kernel instantiated in
+// translation units built for different architectures would be registered twice); its grid: softmax_d_blocks.
 template <class T>
 __device__ __forceinline__ void softmax_d_rows(const AttentionBackwardParams& p) {
-  const int64_t row = int64_t(blockIdx.x) * kRowKernelWarps + threadIdx.x / 32;  // ((b * Sq) + i) * Hq + h
-  const int lane = threadIdx.x % 32;
-  if (row >= p.batch * p.seqlen_q * p.heads_q) return;
-  const int64_t head = row % p.heads_q;
-  const int64_t position = (row / p.heads_q) % p.seqlen_q;
-  const int64_t batch = row / (p.heads_q * p.seqlen_q);
-  const T* out = static_cast<const T*>(p.o) + row * p.head_dim;
-  const T* d_out = static_cast<const T*>(p.d_o) + row * p.head_dim;
-  float dot = 0.0f;
-  for (int64_t c = lane; c < p.head_dim; c += 32) dot += float(out[c]) * float(d_out[c]);
-  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
-  if (lane == 0) {
-    const int64_t stat = row_stat_offset(p, batch, head, position);
-    p.softmax_d[stat] = dot - (p.d_lse != nullptr ? p.d_lse[stat] : 0.0f);
+  constexpr int kWidth = 16 / static_cast<int>(sizeof(T));
+  if (softmax_d_vector_width<T>(p) == kWidth) {
+    softmax_d_rows_of_width<T, kWidth>(p);
+  } else {
+    softmax_d_rows_of_width<T, 1>(p);
   }
 }
 

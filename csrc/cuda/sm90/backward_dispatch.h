@@ -24,6 +24,7 @@
 #include "../common/dq_accum.h"
 #include "../sm80/backward_row_kernels.h"
 #include "../sm80/launch_common.h"
+#include "../sm80/softmax_d_launch.h"
 #include "backward_form.h"
 #include "backward_traits.h"
 #include "dq_staging.h"
@@ -48,12 +49,8 @@ template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "sm90 backward: empty sequences (a TMA descriptor needs data)";
-  const int64_t rows = p.batch * p.seqlen_q * p.heads_q;
-  const int64_t row_blocks = ceil_div(rows, sm80::kRowKernelWarps);
-  if (row_blocks > INT32_MAX) return "attention problem too large for one launch (more than 2^31 - 1 CTAs)";
-  if (row_blocks > 0) {
-    softmax_d_kernel<Element><<<static_cast<unsigned>(row_blocks), sm80::kRowKernelWarps * 32, 0, stream>>>(p);
-    if (std::string err = sm80::last_launch_error("sm90 softmax_d kernel launch"); !err.empty()) return err;
+  if (std::string err = sm80::launch_softmax_d<Element>(p, softmax_d_kernel<Element>, stream, "sm90"); !err.empty()) {
+    return err;
   }
   const BackwardForm form = backward_form(p);
   auto gemm_passes = [&](bool fused_dq) -> std::string {

@@ -132,8 +132,8 @@ int run_case(const Case& c, bool tf32) {
   // kernels compile without those layouts, so their cases check o and lse alone.
   const bool forward_only = c.packed_heads > 1 || c.kv_chunks > 1;
   if (!forward_only) {
-    unsigned rows = c.B * c.Sq * c.Hq;
-    emu_launch((rows + 7) / 8, 256, f32::smem, 0, [&] { sm80::softmax_d_kernel<float>(p); });
+    emu_launch(static_cast<unsigned>(sm80::softmax_d_blocks<float>(p)), sm80::kRowKernelWarps * 32, f32::smem, 0,
+               [&] { sm80::softmax_d_kernel<float>(p); });
     if (tf32 && D <= 128) {
       if constexpr (D <= 128) {
         using G = f32::Tf32BackwardGeometry<D>;
