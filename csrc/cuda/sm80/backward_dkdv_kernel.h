@@ -23,6 +23,7 @@
 #include "../common/block_range.h"
 #include "../common/bulk_reduce.h"
 #include "../common/dq_accum.h"
+#include "../common/grid_dependency.h"
 #include "dkdv_tail.h"
 #include "fragments.h"
 #include "gmem_tile.h"
@@ -61,6 +62,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   T* smem_p = smem_do + kStages * Traits::kQElems;
   T* smem_ds = smem_p + Traits::kPElems;
 
+  // The pieces add only to their own slots and (like every block) to dq_accum, so they may start on the SMs that the
+  // last whole blocks free (backward_launch.h launches them as a dependent grid on sm_90); each piece waits for the
+  // whole blocks before it exits, so that the conversions queued after the pieces follow both.
+  if constexpr (kFusedDq && !kPiece) allow_dependent_grid();
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, kBlockN));
   DkdvSegment segment;
   if constexpr (kPiece) segment = dkdv_segment_of(tail, int64_t(tail.full_blocks) + blockIdx.x);
@@ -88,7 +93,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto next_item = [&](int item) { return next_unhidden_tile(item, item_end, mask_cover); };
   const int first_item = next_item(kPiece ? segment.item_begin : 0);
   if (first_item >= item_end) {
-    if (kPiece) return;  // adds nothing to the slot (zeroed by the launcher)
+    if constexpr (kPiece) {  // adds nothing to the slot (zeroed by the launcher)
+      wait_for_prior_grid();
+      return;
+    }
     KVTile::store_zeros(static_cast<T*>(p.dk) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     KVTile::store_zeros(static_cast<T*>(p.dv) + kv_offset, kv_shape.row_stride(), keys_in_bounds, p.head_dim);
     return;
@@ -299,6 +307,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kBulkDq) {
       if (tid == 0) bulk_wait_all();
     }
+    wait_for_prior_grid();
     return;
   }
   CUTE_UNROLL

@@ -14,6 +14,7 @@
 // zeroed before the pass and converted into dk / dv after it.
 #pragma once
 
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -73,6 +74,40 @@ DkdvTail plan_fused_tail(const AttentionBackwardParams& p, PieceKernel piece_ker
                         p.dkdv_tail_floats / dkdv_tail_slot_floats<Traits::kBlockN, Traits::kHeadDim>(), p.dkdv_tail);
 }
 
+// JAX_FLASH_SM80_TAIL_OVERLAP (read at every call): unset, "" or "1" lets the tail's pieces start on the SMs the last
+// whole blocks free, where the device has programmatic dependent launch (compute capability 9.0); "0" starts them
+// after the whole blocks, as on older devices.
+inline std::string tail_overlap_switch(bool on_sm90, bool* overlap) {
+  const char* env = std::getenv("JAX_FLASH_SM80_TAIL_OVERLAP");
+  const std::string value = env ? env : "";
+  if (value != "" && value != "0" && value != "1") {
+    return "JAX_FLASH_SM80_TAIL_OVERLAP must be 0 or 1, not '" + value + "'";
+  }
+  *overlap = on_sm90 && value != "0";
+  return {};
+}
+
+// The piece kernel, as a dependent grid of the whole blocks' where `overlap` (the kernel waits for them before its
+// CTAs exit: backward_dkdv_kernel.h).
+template <class Kernel>
+std::string launch_pieces(Kernel kernel, unsigned pieces, int threads, int smem_bytes, bool overlap,
+                          cudaStream_t stream, const AttentionBackwardParams& p, bool vectorized, const DkdvTail& tail) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(pieces);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = overlap ? &attribute : nullptr;
+  config.numAttrs = overlap ? 1 : 0;
+  if (const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p, vectorized, tail); err != cudaSuccess) {
+    return std::string("sm80 dK/dV tail piece kernel launch: ") + cudaGetErrorString(err);
+  }
+  return last_launch_error("sm80 dK/dV tail piece kernel launch");
+}
+
 // fused_dq: the common variant's fused-dQ form (the caller checked that the call runs the common variant).
 // on_sm90: the device is compute capability 9.x.
 // The fused form with a split tail (dkdv_tail_plan.h): zero the slots, the whole blocks, the pieces, then the slots'
@@ -109,8 +144,14 @@ std::string launch_dkdv(const AttentionBackwardParams& p, bool vectorized, bool 
   }
   if (tail.tail_blocks == 0) return {};
   const int64_t pieces = int64_t(tail.tail_blocks) * tail.pieces_per_block;
-  piece_kernel<<<static_cast<unsigned>(pieces), Traits::kThreads, smem_bytes, stream>>>(p, vectorized, tail);
-  if (std::string err = last_launch_error("sm80 dK/dV tail piece kernel launch"); !err.empty()) return err;
+  bool overlap = false;
+  // Only behind whole blocks: their start orders the zeroed slots and softmax_d before the pieces.
+  if (std::string err = tail_overlap_switch(on_sm90 && tail.full_blocks > 0, &overlap); !err.empty()) return err;
+  if (std::string err = launch_pieces(piece_kernel, static_cast<unsigned>(pieces), Traits::kThreads, smem_bytes,
+                                      overlap, stream, p, vectorized, tail);
+      !err.empty()) {
+    return err;
+  }
   const int64_t groups = tail.tail_blocks * Traits::kBlockN * (p.head_dim / 4);
   dkdv_from_tail_slots_kernel<Element, Traits::kBlockN, Traits::kHeadDim>
       <<<static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kDqConvertThreads), 65536)), kDqConvertThreads, 0,
