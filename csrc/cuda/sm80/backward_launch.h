@@ -75,15 +75,15 @@ DkdvTail plan_fused_tail(const AttentionBackwardParams& p, PieceKernel piece_ker
 }
 
 // JAX_FLASH_SM80_TAIL_OVERLAP (read at every call): unset, "" or "1" lets the tail's pieces start on the SMs the last
-// whole blocks free, where the device has programmatic dependent launch (compute capability 9.0); "0" starts them
-// after the whole blocks, as on older devices.
-inline std::string tail_overlap_switch(bool on_sm90, bool* overlap) {
+// whole blocks free where the launcher can (`possible`: programmatic dependent launch, compute capability 9.0, and
+// whole blocks to follow); "0" starts them after the whole blocks, as on older devices.
+inline std::string tail_overlap_switch(bool possible, bool* overlap) {
   const char* env = std::getenv("JAX_FLASH_SM80_TAIL_OVERLAP");
   const std::string value = env ? env : "";
   if (value != "" && value != "0" && value != "1") {
     return "JAX_FLASH_SM80_TAIL_OVERLAP must be 0 or 1, not '" + value + "'";
   }
-  *overlap = on_sm90 && value != "0";
+  *overlap = possible && value != "0";
   return {};
 }
 
