@@ -126,7 +126,7 @@ __device__ __forceinline__ void stage_dq_columns(float* staging, const Acc& acc,
 constexpr int kDqConvertThreads = 256;
 
 // sm80's conversion: dq = dq_accum * softmax_scale (the scale of S = scale * Q K^T, left out of dS) in dq's element
-// type. CTAs stride over the chunks (query tiles, dq_convert_blocks of them) and their threads over a chunk's rows
+// type. CTAs stride over the chunks (query tiles, dq_workspace_chunks of them) and their threads over a chunk's rows
 // in dq's order, 4 columns (one column group: 16 contiguous bytes of the chunk) per thread where the workspace is
 // 16-byte aligned, so that a warp's stores are contiguous; two such reads in flight per thread. The chunk's
 // coordinates are divided out once per CTA: per element, 64-bit index arithmetic was most of this pass's
@@ -134,10 +134,6 @@ constexpr int kDqConvertThreads = 256;
 // Rows past seqlen_q are skipped. A device function so that each family wraps it in a kernel of its own (see
 // sm80/backward_launch.h: a template kernel instantiated in translation units built for different architectures
 // would be registered twice).
-__host__ __device__ inline int64_t dq_convert_blocks(const AttentionBackwardParams& p) {
-  return p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);
-}
-
 template <class T>
 __device__ __forceinline__ void dq_from_column_groups(const AttentionBackwardParams& p) {
   struct alignas(kDqGroupWidth * sizeof(T)) Group { T v[kDqGroupWidth]; };
@@ -149,7 +145,7 @@ __device__ __forceinline__ void dq_from_column_groups(const AttentionBackwardPar
   const int width = by_group ? kDqGroupWidth : 1;
   const int items_per_row = head_dim / width;
   const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  const int64_t chunks = dq_convert_blocks(p);
+  const int64_t chunks = dq_workspace_chunks(p);
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   const int64_t row_stride = q_shape.row_stride();
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {

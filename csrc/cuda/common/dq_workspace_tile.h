@@ -12,6 +12,11 @@
 
 namespace jax_flash::cuda {
 
+// Chunks of the call: one per (batch, query head, query tile); each family's conversion runs one CTA per chunk.
+__host__ __device__ inline int64_t dq_workspace_chunks(const AttentionBackwardParams& p) {
+  return p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);
+}
+
 // The chunk of query tile m_block of query head `head`: 64 * head_dim floats, 16-byte aligned when the workspace
 // is and head_dim is a multiple of 4 (a chunk is then a multiple of 1 KiB).
 __device__ __forceinline__ float* dq_workspace_chunk(const AttentionBackwardParams& p, int64_t batch, int64_t head,

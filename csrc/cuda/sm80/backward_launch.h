@@ -212,7 +212,7 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     const int64_t count = dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim);
     return run_fused_dq(
         p, stream, count, [&] { return launch_dkdv<kHeadDim, Element>(p, vectorized, true, on_sm90, stream); },
-        dq_from_column_groups_kernel<Element>, dq_convert_blocks(p), "sm80");
+        dq_from_column_groups_kernel<Element>, dq_workspace_chunks(p), "sm80");
   }
   if (std::string err = launch_dkdv<kHeadDim, Element>(p, vectorized, false, on_sm90, stream); !err.empty()) {
     return err;

@@ -69,10 +69,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   if constexpr (has_fused_dq(kHeadDim)) {
     // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.
     if (p.dq_accum != nullptr && !p.deterministic && reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0) {
-      const int64_t chunks = p.batch * p.heads_q * dq_workspace_query_tiles(p.seqlen_q);  // one CTA each
       return run_fused_dq(p, stream, dq_workspace_elements(p.batch, p.seqlen_q, p.heads_q, p.head_dim),
                           [&] { return gemm_passes(true); }, dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>,
-                          chunks, "sm90");
+                          dq_workspace_chunks(p), "sm90");
     }
   }
   return gemm_passes(false);

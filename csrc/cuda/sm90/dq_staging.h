@@ -100,7 +100,7 @@ __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) 
   static_assert(dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kRows, kCols>());
   const int vectors_per_chunk = static_cast<int>(p.head_dim / kDqGroupColumns) * kDqStagingThreads;
   const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  const int64_t chunks = p.batch * p.heads_q * tiles;
+  const int64_t chunks = dq_workspace_chunks(p);
   const sm80::BshdShape q_shape = sm80::query_shape(p);
   typename Traits::TiledMmaDq mma_dq;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
