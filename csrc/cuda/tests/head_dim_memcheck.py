@@ -1,0 +1,37 @@
+"""Small bf16 grid of chosen head dims for compute-sanitizer: forward and backward through JAX on odd shapes
+(partial tiles, GQA/MQA, causal with an offset, window, seqlens, segments, softcap). The standalone check has no
+head-dim filter, so this covers builds of a few head dims (JAX_FLASH_CUDA_HEAD_DIMS). Run as
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 head_dim_memcheck.py 96 192
+Prints one line per case with the largest difference from XLA's attention, so that a silent failure still shows."""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, kwargs
+    (1, 1, 1, 2, 2, {}),
+    (2, 77, 150, 6, 2, {"causal": True}),
+    (1, 130, 200, 4, 1, {"window_size": (20, 5), "softcap": 5.0}),
+    (2, 129, 130, 2, 2, {"q_seqlens": jnp.array([100, 3], jnp.int32), "kv_seqlens": jnp.array([7, 130], jnp.int32)}),
+    (1, 40, 40, 2, 2, {"q_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None],
+                       "kv_segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 10)[None]}),
+    (1, 300, 777, 4, 2, {}),
+]
+
+head_dims = [int(a) for a in sys.argv[1:]] or [96, 192]
+for d in head_dims:
+    for b, sq, sk, hq, hkv, kwargs in CASES:
+        keys = jax.random.split(jax.random.key(sq * 7 + d), 4)
+        q, d_o = (jax.random.normal(key, (b, sq, hq, d), jnp.bfloat16) for key in (keys[0], keys[3]))
+        k, v = (jax.random.normal(key, (b, sk, hkv, d), jnp.bfloat16) for key in keys[1:3])
+        attend = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs)
+        o, vjp = jax.vjp(attend, q, k, v)
+        outputs = [np.asarray(x.astype(jnp.float32)) for x in (o, *vjp(d_o))]
+        finite = all(bool(np.all(np.isfinite(x))) for x in outputs)
+        print(f"d={d} b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} {sorted(kwargs)}: finite={finite} "
+              f"max|o|={float(np.max(np.abs(outputs[0]))):.3g}", flush=True)
+        assert finite
+print("head-dim memcheck grid done")
