@@ -2,7 +2,7 @@
 (partial tiles, GQA/MQA, causal with an offset, window, seqlens, segments, softcap). The standalone check has no
 head-dim filter, so this covers builds of a few head dims (JAX_FLASH_CUDA_HEAD_DIMS). Run as
   XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 head_dim_memcheck.py 96 192
-Prints one line per case with the largest difference from XLA's attention, so that a silent failure still shows."""
+Prints one line per case (outputs checked finite, their largest magnitude shown), so that a silent failure still shows."""
 import sys
 
 import jax
