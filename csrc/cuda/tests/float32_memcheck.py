@@ -5,11 +5,9 @@ tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
 Prints one line per case; finite outputs are checked so that a silent failure still shows."""
 import itertools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-import jax_flash
+from sanitizer_case import run_case
 
 CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
     (1, 1, 1, 1, 1, 7, {}),
@@ -26,15 +24,5 @@ CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
 ]
 
 for (b, sq, sk, hq, hkv, d, kwargs), mode in itertools.product(CASES, ("highest", "tf32")):
-    keys = jax.random.split(jax.random.key(sq * 7 + d), 4)
-    q = jax.random.normal(keys[0], (b, sq, hq, d), jnp.float32)
-    k = jax.random.normal(keys[1], (b, sk, hkv, d), jnp.float32)
-    v = jax.random.normal(keys[2], (b, sk, hkv, d), jnp.float32)
-    d_o = jax.random.normal(keys[3], q.shape, jnp.float32)
-    attend = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, float32_precision=mode, **kwargs)
-    o, vjp = jax.vjp(attend, q, k, v)
-    grads = vjp(d_o)
-    finite = all(bool(np.all(np.isfinite(np.asarray(x)))) for x in (o, *grads))
-    print(f"b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} {mode}: finite={finite}", flush=True)
-    assert finite
+    run_case(mode, b, sq, sk, hq, hkv, d, jnp.float32, float32_precision=mode, **kwargs)
 print("float32 memcheck grid done")
