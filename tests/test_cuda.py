@@ -121,6 +121,24 @@ def test_forward_sm90_long_sequences(feature, head_dim, monkeypatch):
     check_forward_on_gpu(case, **feature_kwargs(feature, case))
 
 
+@pytest.mark.parametrize("head_dim", (96, 192))
+@pytest.mark.parametrize("feature", ("softcap", "alibi_batched_causal", "everything", "bias", "mask"))
+def test_forward_sm90_forms_at_head_dims_96_and_192(feature, head_dim, monkeypatch):
+    """The transforms form (softcap / ALiBi) and the dense form (bias / mask) on the d=96 and d=192 tiles, which
+    the forward_shapes grid reaches only through the common form; GQA and ragged tiles."""
+    use_forward_kernel(monkeypatch, "sm90", head_dim)
+    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
+    case = Case(batch=2, seqlen_q=150, seqlen_k=203, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim)
+    if feature == "bias":
+        kwargs = dict(bias=jax.random.normal(jax.random.key(head_dim), (2, 4, 150, 203), jnp.float32), causal=True)
+    elif feature == "mask":
+        kwargs = dict(mask=_padding_mask([203, 90], case.seqlen_k))
+    else:
+        kwargs = feature_kwargs(feature, case)
+    check_forward_on_gpu(case, **kwargs)
+
+
 def test_automatic_forward_kernel_is_sm90_on_hopper(monkeypatch):
     """On a 9.x GPU the default forward is bit-identical to the forced sm90 kernel (both deterministic)."""
     if not _is_hopper():
