@@ -126,12 +126,10 @@ def test_forward_sm90_long_sequences(feature, head_dim, monkeypatch):
 def test_forward_sm90_forms_at_head_dims_96_and_192(feature, head_dim, monkeypatch):
     """The transforms form (softcap / ALiBi) and the dense form (bias / mask) on the d=96 and d=192 tiles, which
     the forward_shapes grid reaches only through the common form; GQA and ragged tiles."""
-    use_forward_kernel(monkeypatch, "sm90", head_dim)
-    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
-    case = Case(batch=2, seqlen_q=150, seqlen_k=203, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
-                seed=head_dim)
+    use_sm90_dense(monkeypatch, head_dim)
+    case = Case(**{**DENSE_CASE.__dict__, "head_dim": head_dim, "seed": head_dim})
     if feature == "bias":
-        kwargs = dict(bias=jax.random.normal(jax.random.key(head_dim), (2, 4, 150, 203), jnp.float32), causal=True)
+        kwargs = dict(bias=jax.random.normal(jax.random.key(head_dim), GPU_BIAS_SHAPES[0], jnp.float32), causal=True)
     elif feature == "mask":
         kwargs = dict(mask=_padding_mask([203, 90], case.seqlen_k))
     else:
