@@ -171,6 +171,32 @@ def test_sm90_forward_grid_modes_are_bit_identical(seqlen_k, monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
+def test_sm90_causal_bands_are_bit_identical(monkeypatch):
+    """JAX_FLASH_SM90_CAUSAL_BAND_MIB only reorders the causal grid's tiles (forward_kernel.h split_tile): one band
+    of every slice ("0"), the default, and 1 MiB bands, which with 2048 keys at d=64 and GQA group 2 hold 4 of the
+    6 slices (a narrower last band of 2), on the persistent grid capped at 2 CTAs and on one CTA per tile, give
+    identical outputs. A value that is not a whole number of MiB is an error naming the variable."""
+    use_forward_kernel(monkeypatch, "sm90", 64)
+    q, k, v = _on(GPUS[0], *Case(batch=3, seqlen_q=900, seqlen_k=2048, heads_q=2, heads_kv=1, head_dim=64,
+                                 dtype=jnp.bfloat16, seed=23).inputs())
+    outputs = {}
+    for band, persistent, ctas in (("0", "auto", ""), ("auto", "auto", ""), ("1", "1", "2"), ("1", "0", "")):
+        monkeypatch.setenv("JAX_FLASH_SM90_CAUSAL_BAND_MIB", band)
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", persistent)
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", ctas)
+        o, lse = jax_flash.attention(q, k, v, causal=True, return_lse=True)
+        outputs[band, persistent] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+    baseline = outputs["0", "auto"]
+    assert np.isfinite(baseline[0]).all() and np.isfinite(baseline[1]).all()
+    for key, (o, lse) in outputs.items():
+        np.testing.assert_array_equal(o, baseline[0], err_msg=str(key))
+        np.testing.assert_array_equal(lse, baseline[1], err_msg=str(key))
+    for bad in ("-1", "16MB"):
+        monkeypatch.setenv("JAX_FLASH_SM90_CAUSAL_BAND_MIB", bad)
+        with pytest.raises(Exception, match="JAX_FLASH_SM90_CAUSAL_BAND_MIB"):
+            jax.block_until_ready(jax_flash.attention(q, k, v, causal=True))
+
+
 def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")

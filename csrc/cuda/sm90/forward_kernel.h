@@ -10,7 +10,7 @@
 // (one per consumer) makes their GEMM issues take turns (pingpong with two consumers; three at d=64 on long key
 // sequences, kernel_traits.h), so one warpgroup's softmax hides under the others' GEMMs.
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
-// longest row blocks first across all (batch, head) slices.
+// longest row blocks first, across bands of (batch, head) slices whose K/V fits in L2 (split_tile).
 //
 // Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. CTA b runs tiles
 // b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (the default), or a
@@ -86,12 +86,19 @@ struct RowBlock {
 
 // Tile number -> (row block counted from the last, slice = batch * heads_q + head).
 template <class Int>
-__device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, Int* block, Int* slice) {
+__device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, Int band, Int* block, Int* slice) {
   if (causal) {
-    // Work grows with the row block: the row block is the slowest index of the tile, so every slice's longest
-    // block runs in the first waves and the short ones fill the tail of the grid.
-    *block = tile / slices;
-    *slice = tile % slices;
+    // Work grows with the row block, so the longest row blocks go first and the short ones fill the tail of the
+    // grid. Across all slices at once, though, the row blocks of one slice run far apart in time, and each reads
+    // the slice's K/V from DRAM again (at 512-1024 keys and hundreds of slices that traffic bounds the kernel).
+    // So the slices are cut into bands of `band` (the last band may be narrower), whose K/V fits in L2 together,
+    // and the order is longest-first within each band, one band after the other.
+    const Int band_tiles = band * row_blocks;
+    const Int first_slice = tile / band_tiles * band;
+    const Int in_band = tile % band_tiles;
+    const Int width = min(band, slices - first_slice);
+    *block = in_band / width;
+    *slice = first_slice + in_band % width;
   } else {
     // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
     *block = tile % row_blocks;
@@ -156,7 +163,7 @@ template <class Traits, ForwardVariant kVariant>
 __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
   const TileGrid& grid = args.grid;
   uint32_t block, slice;
-  split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, &block, &slice);
+  split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, grid.band, &block, &slice);
   const uint32_t head = slice % grid.heads_q;
   RowBlock rb = make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
                                        int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
@@ -175,7 +182,8 @@ template <class Traits>
 __device__ RowBlock locate_row_block(const AttentionBackwardParams& p) {
   const int64_t row_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   int64_t block, slice;
-  split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, p.heads_q * p.batch, &block, &slice);
+  const int64_t slices = p.heads_q * p.batch;  // one band: longest-first across every slice
+  split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, slices, slices, &block, &slice);
   const int64_t head = slice % p.heads_q;
   return make_row_block<Traits>(p, slice / p.heads_q, head, head / (p.heads_q / p.heads_kv),
                                 (row_blocks - 1 - block) * Traits::kBlockM);

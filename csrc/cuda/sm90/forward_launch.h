@@ -83,6 +83,32 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
   return {};
 }
 
+// The causal order's band (forward_kernel.h split_tile): the slices whose K/V together take about this many bytes,
+// so that a slice's row blocks, run within its band, find its K/V in L2 (50 MB on the H100/H200). Measured on the
+// H200: benchmarks/NOTES.md (twentieth session).
+constexpr int64_t kCausalBandBytes = int64_t(16) << 20;
+
+// JAX_FLASH_SM90_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" sizes the bands at kCausalBandBytes; "0"
+// makes one band of every slice (the longest-first order over all slices, as before the bands); N > 0 sizes them at
+// N MiB. Slices of one KV head (GQA) count its K/V once.
+inline std::string causal_band(const AttentionParams& p, int64_t element_bytes, uint32_t slices, uint32_t* band) {
+  int64_t budget = kCausalBandBytes;
+  const char* env = std::getenv("JAX_FLASH_SM90_CAUSAL_BAND_MIB");
+  const std::string value = env ? env : "";
+  if (value != "" && value != "auto") {
+    char* end = nullptr;
+    const long long mib = std::strtoll(value.c_str(), &end, 10);
+    if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
+      return "JAX_FLASH_SM90_CAUSAL_BAND_MIB must be auto or a whole number of MiB (0: no bands), not '" + value +
+             "'";
+    }
+    budget = mib == 0 ? 0 : int64_t(mib) << 20;
+  }
+  const int64_t slice_bytes = std::max<int64_t>(1, 2 * p.seqlen_k * p.head_dim * element_bytes / (p.heads_q / p.heads_kv));
+  *band = budget == 0 ? slices : static_cast<uint32_t>(std::clamp<int64_t>(budget / slice_bytes, 1, slices));
+  return {};
+}
+
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
@@ -120,7 +146,13 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   if (grid == 0) return {};
   const auto row_blocks = static_cast<uint32_t>(ceil_div(p.seqlen_q, Traits::kBlockM));
   args.grid = TileGrid{grid, row_blocks, grid / row_blocks, static_cast<uint32_t>(p.heads_q),
-                       static_cast<uint32_t>(p.heads_q / p.heads_kv)};
+                       static_cast<uint32_t>(p.heads_q / p.heads_kv), grid / row_blocks};
+  if (p.causal) {
+    if (std::string err = causal_band(p, sizeof(typename Traits::Element), args.grid.slices, &args.grid.band);
+        !err.empty()) {
+      return err;
+    }
+  }
   if (persistent) {
     int64_t ctas = 0;
     if (std::string err = resident_ctas<Traits, kVariant>(&ctas); !err.empty()) return err;

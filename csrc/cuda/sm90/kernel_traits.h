@@ -183,6 +183,7 @@ struct TileGrid {
   uint32_t slices;      // heads_q * batch
   uint32_t heads_q;
   uint32_t group_size;  // heads_q / heads_kv
+  uint32_t band;        // causal: slices per band of the longest-first order (forward_kernel.h split_tile)
 };
 
 // Kernel arguments: the plain parameters, the tile numbering and the three TMA descriptors (built per call).
