@@ -12,10 +12,11 @@
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first, across bands of (batch, head) slices whose K/V fits in L2 (split_tile).
 //
-// Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. CTA b runs tiles
-// b, b + gridDim.x, b + 2 gridDim.x, ...: one tile per CTA when the grid has one CTA per tile (the default), or a
-// persistent grid of about one CTA per SM (JAX_FLASH_SM90_PERSISTENT=1, forward_launch.h) whose CTAs walk the
-// same longest-first order. Each tile is the same function in both cases; only the loop around it is new.
+// Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. They go out in passes of
+// gridDim.x tiles: in pass j, CTA b runs tile j * gridDim.x + b, or on odd passes the mirror position (pass_tile).
+// One pass and one tile per CTA when the grid has one CTA per tile; many on a persistent grid of about one CTA per
+// SM (the default up to 2048 keys, forward_launch.h). Each tile is the same function in both cases; only the loop
+// around it is new.
 //
 // Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
 // the CTA's non-empty tiles, 0, 1, 2, ...):
@@ -104,6 +105,18 @@ __device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, In
     *block = tile % row_blocks;
     *slice = tile / row_blocks;
   }
+}
+
+// The tile that CTA `cta` of a `ctas`-CTA grid runs in pass `pass` (tiles pass * ctas .. + ctas - 1; the CTA takes
+// part while pass * ctas + cta < tiles): position cta of the pass on even passes, the mirror position on odd ones.
+// Causal tiles get shorter along the order, so a CTA that drew one of a pass's long tiles draws one of the next
+// pass's short ones. Bands narrower than the grid (split_tile) mix long and short tiles inside one pass, and the
+// plain stride handed the same CTAs the long tiles pass after pass (H200, d=256 causal 512-2048 keys, 128-tile
+// bands on 132 CTAs: 23-25% slower than no bands). The per-tile grid has a single pass: tile = cta.
+__device__ __forceinline__ uint32_t pass_tile(uint32_t pass, uint32_t cta, uint32_t ctas, uint32_t tiles) {
+  const uint32_t first = pass * ctas;
+  const uint32_t in_pass = min(ctas, tiles - first);
+  return first + ((pass & 1) ? in_pass - 1 - cta : cta);
 }
 
 // Params: the forward's AttentionParams, or the dQ pass's AttentionBackwardParams (no row layouts: make_slice_mask).
@@ -287,7 +300,9 @@ __device__ void produce(const ForwardArgs<Traits>& args, typename Traits::Shared
                         typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v) {
   typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   int round = 0;
-  for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {  // < 2^31 + 2^31: no overflow
+  // pass * gridDim.x + blockIdx.x < tiles + gridDim.x <= 2^31 + 2^31: no overflow
+  for (uint32_t pass = 0; pass * gridDim.x + blockIdx.x < args.grid.tiles; ++pass) {
+    const uint32_t tile = pass_tile(pass, blockIdx.x, gridDim.x, args.grid.tiles);
     const RowBlock rb = locate_tile<Traits, kVariant>(args, tile);
     if (rb.key_tiles.empty()) continue;
     load_tile<Traits, kVariant>(args, rb, smem, pipeline_k, pipeline_v, write, round);
@@ -548,13 +563,14 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
                                        typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                                        int group) {
   ConsumerProgress<Traits> progress;
-  for (uint32_t tile = blockIdx.x; tile < args.grid.tiles; tile += gridDim.x) {
-    const RowBlock rb = locate_tile<Traits, kVariant>(args, tile);
+  for (uint32_t pass = 0; pass * gridDim.x + blockIdx.x < args.grid.tiles; ++pass) {
+    const RowBlock rb =
+        locate_tile<Traits, kVariant>(args, pass_tile(pass, blockIdx.x, gridDim.x, args.grid.tiles));
     if (rb.key_tiles.empty()) {
       store_empty_rows<Traits>(args.p, rb, threadIdx.x - 128);
       continue;
     }
-    const bool last_tile = tile + gridDim.x >= args.grid.tiles;
+    const bool last_tile = (pass + 1) * gridDim.x + blockIdx.x >= args.grid.tiles;
     consume_tile<Traits, kVariant>(args.p, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
   }
 }
