@@ -84,15 +84,22 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
 }
 
 // The causal order's band (forward_kernel.h split_tile): the slices whose K/V together take about this many bytes,
-// so that a slice's row blocks, run within its band, find its K/V in L2 (50 MB on the H100/H200). Measured on the
-// H200: benchmarks/NOTES.md (twentieth session).
-constexpr int64_t kCausalBandBytes = int64_t(16) << 20;
+// so that a slice's row blocks, run within its band, find its K/V in L2 (50 MB on the H100/H200) rather than each
+// reading it from DRAM again. Measured on the H200 (benchmarks/bench_env_ab.py, bf16, d = 64 / 128 / 256, 512-16k
+// keys; benchmarks/results/env_ab_NVIDIA_H200_2026-12-02_bands.json): on the persistent grid (<= 2048 keys) 4 MiB
+// bands ran d=128 3-14% and d=256 7-19% faster than no bands (d=64 unchanged), while 8 and 16 MiB ran slower there
+// (their bands mix long and short tiles in every pass of the static schedule); on the per-tile grid (4k-16k keys,
+// the hardware schedules the CTAs) 16 MiB ran d=128 5-8% and d=256 2-5% faster at 4k-8k (16k: -1% to +5%, two
+// runs), and 4 MiB mostly slower (to -8%).
+constexpr int64_t kPersistentCausalBandBytes = int64_t(4) << 20;
+constexpr int64_t kPerTileCausalBandBytes = int64_t(16) << 20;
 
-// JAX_FLASH_SM90_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" sizes the bands at kCausalBandBytes; "0"
-// makes one band of every slice (the longest-first order over all slices, as before the bands); N > 0 sizes them at
-// N MiB. Slices of one KV head (GQA) count its K/V once.
-inline std::string causal_band(const AttentionParams& p, int64_t element_bytes, uint32_t slices, uint32_t* band) {
-  int64_t budget = kCausalBandBytes;
+// JAX_FLASH_SM90_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" sizes the bands as above; "0" makes one
+// band of every slice (the longest-first order over all slices, as before the bands); N > 0 sizes them at N MiB.
+// Slices of one KV head (GQA) count its K/V once.
+inline std::string causal_band(const AttentionParams& p, bool persistent, int64_t element_bytes, uint32_t slices,
+                               uint32_t* band) {
+  int64_t budget = persistent ? kPersistentCausalBandBytes : kPerTileCausalBandBytes;
   const char* env = std::getenv("JAX_FLASH_SM90_CAUSAL_BAND_MIB");
   const std::string value = env ? env : "";
   if (value != "" && value != "auto") {
@@ -102,10 +109,12 @@ inline std::string causal_band(const AttentionParams& p, int64_t element_bytes, 
       return "JAX_FLASH_SM90_CAUSAL_BAND_MIB must be auto or a whole number of MiB (0: no bands), not '" + value +
              "'";
     }
-    budget = mib == 0 ? 0 : int64_t(mib) << 20;
+    budget = int64_t(mib) << 20;
   }
-  const int64_t slice_bytes = std::max<int64_t>(1, 2 * p.seqlen_k * p.head_dim * element_bytes / (p.heads_q / p.heads_kv));
-  *band = budget == 0 ? slices : static_cast<uint32_t>(std::clamp<int64_t>(budget / slice_bytes, 1, slices));
+  const int64_t kv_bytes_per_slice = 2 * p.seqlen_k * p.head_dim * element_bytes / (p.heads_q / p.heads_kv);
+  *band = budget == 0 ? slices
+                      : static_cast<uint32_t>(std::clamp<int64_t>(budget / std::max<int64_t>(1, kv_bytes_per_slice),
+                                                                  1, slices));
   return {};
 }
 
@@ -148,7 +157,8 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   args.grid = TileGrid{grid, row_blocks, grid / row_blocks, static_cast<uint32_t>(p.heads_q),
                        static_cast<uint32_t>(p.heads_q / p.heads_kv), grid / row_blocks};
   if (p.causal) {
-    if (std::string err = causal_band(p, sizeof(typename Traits::Element), args.grid.slices, &args.grid.band);
+    if (std::string err = causal_band(p, persistent, sizeof(typename Traits::Element), args.grid.slices,
+                                      &args.grid.band);
         !err.empty()) {
       return err;
     }
