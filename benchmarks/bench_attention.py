@@ -105,11 +105,15 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
         return _measure(implementation, head_dim, seqlen, causal, reps, forward_only, feature)
 
 
-@contextlib.contextmanager
 def kernel_families(implementation: str):
     """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD]; the C++ dispatcher reads them at every call."""
-    settings = {"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
-                "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation)}
+    return environment({"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
+                        "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation)})
+
+
+@contextlib.contextmanager
+def environment(settings: dict):
+    """Sets the environment variables of `settings` (a None value leaves its variable as it is), restored after."""
     previous = {name: os.environ.get(name) for name in settings}
     for name, value in settings.items():
         if value is not None:

@@ -19,7 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import MODEL_WIDTH, RESULTS_DIR, TOKENS, attention_fn, median_seconds, versions  # noqa: E402
+from bench_attention import (MODEL_WIDTH, RESULTS_DIR, TOKENS, attention_fn, environment, median_seconds,  # noqa: E402
+                             versions)
 
 
 def time_cell(attend, inputs, d_o, flops: float, reps: int, backward: bool) -> dict:
@@ -32,18 +33,6 @@ def time_cell(attend, inputs, d_o, flops: float, reps: int, backward: bool) -> d
         seconds = median_seconds(jax.jit(lambda vjp_fn, g: vjp_fn(g)), (vjp, d_o), reps)
         timings["bwd_tflops"] = 2.5 * flops / seconds / 1e12
     return timings
-
-
-def with_env(name: str, value: str, fn):
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
 
 
 def main() -> None:
@@ -79,8 +68,9 @@ def main() -> None:
                 best: dict[str, dict] = {}
                 for _ in range(args.rounds):
                     for value in args.values:
-                        t = with_env(args.env, value, lambda: time_cell(
-                            attention_fn("jax_flash_sm90", causal), (q, k, v), d_o, flops, args.reps, args.backward))
+                        with environment({args.env: value}):
+                            t = time_cell(attention_fn("jax_flash_sm90", causal), (q, k, v), d_o, flops, args.reps,
+                                          args.backward)
                         best[value] = {m: max(t[m], best.get(value, {}).get(m, 0.0)) for m in t}
                 cudnn = time_cell(attention_fn("cudnn", causal), (q, k, v), d_o, flops, args.reps, args.backward)
                 rows.append({**cell, "values": best, "cudnn": cudnn})
