@@ -197,6 +197,41 @@ def test_sm90_causal_bands_are_bit_identical(monkeypatch):
             jax.block_until_ready(jax_flash.attention(q, k, v, causal=True))
 
 
+@pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
+def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
+    """JAX_FLASH_SM90_TWO_PER_SM=1 runs the common form's 64-row tile with two CTAs per SM (kernel_traits.h
+    RowTile::kTwoPerSm). A row's arithmetic is that of the 128-row tile (same key tiles, same order, same WGMMA
+    shapes per warpgroup), so outputs and lse are identical to "0", on the persistent grid (by default at 700 keys,
+    and capped at 2 CTAs so that each loops over many tiles) and on one CTA per tile. Within the accuracy bound
+    too, and any other value is an error naming the variable."""
+    use_forward_kernel(monkeypatch, "sm90", 64)
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16,
+                seed=31)
+    kwargs = feature_kwargs(feature, case)
+    kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
+    q, k, v = _on(GPUS[0], *case.inputs())
+    outputs = {}
+    for tile, persistent, ctas in (("0", "auto", ""), ("1", "auto", ""), ("1", "1", "2"), ("1", "0", "")):
+        monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", tile)
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", persistent)
+        monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", ctas)
+        _poison_gpu_memory()
+        o, lse = jax_flash.attention(q, k, v, return_lse=True, **kwargs_gpu)
+        outputs[tile, persistent] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+    baseline = outputs["0", "auto"]
+    assert not np.isnan(baseline[0]).any() and not np.isnan(baseline[1]).any()
+    for key, (o, lse) in outputs.items():
+        np.testing.assert_array_equal(o, baseline[0], err_msg=str(key))
+        np.testing.assert_array_equal(lse, baseline[1], err_msg=str(key))
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "auto")
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "")
+    monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "1")
+    check_forward_on_gpu(case, **kwargs)
+    monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "2")
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_TWO_PER_SM"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
 def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")

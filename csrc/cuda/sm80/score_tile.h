@@ -109,9 +109,17 @@ struct ScoreTile {
       } else {
         apply_with<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
       }
-    } else if constexpr (kGeneral || kCheckMask) {
-      apply_with<kCheckMask, kGeneral ? Softcap::kTested : Softcap::kOff>(acc, coords, row0, col0, on_visible,
-                                                                          on_hidden);
+    } else if constexpr (kGeneral) {
+      apply_with<kCheckMask, Softcap::kTested>(acc, coords, row0, col0, on_visible, on_hidden);
+    } else if constexpr (kCheckMask) {
+      // Without segment ids (most calls) the element test is two compares and a select; with them it also loads
+      // each key's id under a branch. One copy of the loop each, so that the common case carries no branch per
+      // element (with the loads compiled in, the sm90 d=64 forward's masked tiles had one per element).
+      if (mask.q_segment_ids == nullptr) {
+        apply_with<kCheckMask, Softcap::kOff, false>(acc, coords, row0, col0, on_visible, on_hidden);
+      } else {
+        apply_with<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
+      }
     }
   }
 
@@ -125,7 +133,9 @@ struct ScoreTile {
   // apply (kUnswitchSoftcap: a copy of the loop each, no branch per element).
   enum class Softcap { kOff, kOn, kTested };
 
-  template <bool kCheckMask, Softcap kSoftcap, class Acc, class Coords, class OnVisible, class OnHidden>
+  // kSegments = false: the caller knows the call has no segment ids.
+  template <bool kCheckMask, Softcap kSoftcap, bool kSegments = true, class Acc, class Coords, class OnVisible,
+            class OnHidden>
   __device__ __forceinline__ void apply_with(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
                                              OnVisible& on_visible, OnHidden& on_hidden) const {
     auto scores = as_rows_cols(acc);
@@ -159,7 +169,7 @@ struct ScoreTile {
       const float first_distance = static_cast<float>(row + mask.diagonal_shift - first_col);
       const int begin = clamp_to_int(mask.key_begin(row) - first_col);
       const int end = clamp_to_int(mask.key_end(row) - first_col);
-      const bool segments = kCheckMask && mask.q_segment_ids != nullptr && row < mask.valid_q;
+      const bool segments = kCheckMask && kSegments && mask.q_segment_ids != nullptr && row < mask.valid_q;
       const int32_t* kv_segments = segments ? mask.kv_segment_ids + first_col : nullptr;
       const int32_t row_segment = segments ? mask.q_segment_ids[row] : 0;
       CUTE_UNROLL

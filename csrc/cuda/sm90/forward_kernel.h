@@ -578,7 +578,7 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
 }
 
 template <class Traits, ForwardVariant kVariant>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
     forward_kernel(const __grid_constant__ ForwardArgs<Traits> args) {
   using namespace cute;
   extern __shared__ __align__(1024) char smem_bytes[];

@@ -118,6 +118,29 @@ inline std::string causal_band(const AttentionParams& p, bool persistent, int64_
   return {};
 }
 
+// The two-CTAs-per-SM tile (kernel_traits.h RowTile::kTwoPerSm, d=64) pays where a tile's serial parts are a large
+// share of it: short key sequences, and causal calls, whose diagonal tiles are mostly serial. On the H200 (bf16,
+// 16k tokens, 32 heads; bench_env_ab.py, results/env_ab_*_twopersm_s22.json) it ran 5-9% faster at 512-2048 keys
+// both ways and 3% at 4096 causal; 5% slower at 4096 non-causal, 13-16% at 8k-16k, 3-4% at 8k-16k causal, where
+// most tiles are long and two 64-row CTAs read each K/V tile that one 128-row CTA's two consumers share.
+constexpr int64_t kTwoPerSmMaxSeqlenK = 2048;
+constexpr int64_t kTwoPerSmMaxSeqlenKCausal = 4096;
+
+// JAX_FLASH_SM90_TWO_PER_SM (read at every call) picks that tile where the head dim has one and the call has more
+// than 64 query rows: unset, "" or "auto" by the key lengths above, "1" always, "0" never.
+inline std::string two_per_sm_switch(const AttentionParams& p, bool* two_per_sm) {
+  const char* env = std::getenv("JAX_FLASH_SM90_TWO_PER_SM");
+  const std::string value = env ? env : "";
+  if (value == "" || value == "auto") {
+    *two_per_sm = p.seqlen_k <= (p.causal ? kTwoPerSmMaxSeqlenKCausal : kTwoPerSmMaxSeqlenK);
+  } else if (value == "0" || value == "1") {
+    *two_per_sm = value == "1";
+  } else {
+    return "JAX_FLASH_SM90_TWO_PER_SM must be 0, 1 or auto, not '" + value + "'";
+  }
+  return {};
+}
+
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
@@ -192,6 +215,14 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
       if (p.seqlen_q <= forward_tile(kHeadDim, RowTile::kShort).block_m) {
         using Short = ForwardTraits<kHeadDim, Element, RowTile::kShort>;
         return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
+      }
+    }
+    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kTwoPerSm)) {
+      bool two_per_sm = false;
+      if (std::string err = two_per_sm_switch(p, &two_per_sm); !err.empty()) return err;
+      if (two_per_sm) {
+        return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSm>, kVariant>(p, persistent, max_ctas,
+                                                                                          stream);
       }
     }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kLong)) {

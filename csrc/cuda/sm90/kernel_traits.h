@@ -21,6 +21,7 @@ struct ForwardTile {
   int block_m;  // query rows per CTA: 64 per consumer warpgroup
   int block_n;  // keys per pipeline stage (the N of Q K^T and the K of P V)
   int stages;   // K and V shared-memory buffers each
+  int ctas_per_sm = 1;  // CTAs resident per SM: __launch_bounds__, the register split and the shared-memory share
 };
 
 // smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200,
@@ -34,16 +35,22 @@ struct ForwardTile {
 //  - kShort: one consumer (64 rows) for calls with at most 64 query rows, decoding above all (a single query row,
 //    or G of them with GQA packing): a 128-row tile would compute 64 rows that hold nothing, and such calls read
 //    long K/V with few tiles, so the freed shared memory goes to a deeper K/V pipeline instead.
+//  - kTwoPerSm: one consumer (64 rows) in a CTA small enough that two are resident per SM. Two consumers of one
+//    CTA work on the same tile, so they reach its serial parts together (the first Q K^T and its softmax with no
+//    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
+//    two CTAs run unrelated tiles, so one's serial parts overlap the other's main loop. At d=64 short tiles are
+//    mostly serial parts (forward_launch.h says where this tile is used).
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
-enum class RowTile { kStandard, kLong, kShort };
+enum class RowTile { kStandard, kLong, kShort, kTwoPerSm };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
-    case 64: return rows == RowTile::kLong    ? ForwardTile{192, 128, 3}   //  24 + 96 (+ 24 O) = 144 KiB
-                    : rows == RowTile::kShort ? ForwardTile{64, 128, 4}    //   8 + 128 (+ 8 O) = 144 KiB
-                                              : ForwardTile{128, 128, 3};  //  16 + 96 (+ 16 O) = 128 KiB
+    case 64: return rows == RowTile::kLong       ? ForwardTile{192, 128, 3}     //  24 + 96 (+ 24 O) = 144 KiB
+                    : rows == RowTile::kShort    ? ForwardTile{64, 128, 4}      //   8 + 128 (+ 8 O) = 144 KiB
+                    : rows == RowTile::kTwoPerSm ? ForwardTile{64, 128, 2, 2}   //   8 + 64 (+ 8 O) = 80 KiB
+                                                 : ForwardTile{128, 128, 3};    //  16 + 96 (+ 16 O) = 128 KiB
     case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
     case 128: return rows == RowTile::kShort ? ForwardTile{64, 128, 3}     //  16 + 192 (+ 16 O) = 224 KiB
                                              : ForwardTile{128, 128, 2};   //  32 + 128 (+ 32 O) = 192 KiB
@@ -94,16 +101,20 @@ struct ForwardTraits {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
+  static constexpr int kCtasPerSm = kTile.ctas_per_sm;
   static constexpr int kConsumerGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the 64K registers
-  // (multiples of 8; 128 * producer + consumer threads * consumer <= 65536).
-  static constexpr int kProducerRegisters = kConsumerGroups == 3 ? 32 : kConsumerGroups == 2 ? 24 : 40;
-  static constexpr int kConsumerRegisters = kConsumerGroups == 3 ? 160 : 240;
+  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the CTA's share of the
+  // 64K registers (multiples of 8; 128 * producer + consumer threads * consumer <= 65536 / CTAs per SM).
+  static constexpr int kRegisterShare = 65536 / kCtasPerSm;
+  static constexpr int kProducerRegisters =
+      kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm == 2) ? 24 : 40;
+  static constexpr int kConsumerRegisters = kConsumerGroups == 3 ? 160 : kCtasPerSm == 2 ? 232 : 240;
   static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kConsumerGroups == 1), "two CTAs per SM: one consumer each");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= 65536);
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= kRegisterShare);
 
   using BlockMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T
   using BlockMKN = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V
@@ -138,7 +149,8 @@ struct ForwardTraits {
   // a tile's Q buffer is free as soon as its last Q K^T has retired, so a persistent CTA loads the next tile's Q
   // during this tile's last P V and epilogue; otherwise (256) O is staged in Q's buffer and frees it only after
   // the epilogue.
-  static constexpr int kSmemLimit = 227 * 1024;
+  // 227 KiB per CTA on the H100/H200, of 228 KiB per SM, each resident CTA reserving 1 KiB of it.
+  static constexpr int kSmemLimit = kCtasPerSm == 1 ? 227 * 1024 : 228 * 1024 / kCtasPerSm - 1024;
   static constexpr bool kOwnOutputBuffer =
       2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= kSmemLimit;  // 1024: barriers and alignment
   static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
