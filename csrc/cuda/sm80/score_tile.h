@@ -105,21 +105,14 @@ struct ScoreTile {
                         OnHidden on_hidden = {}) const {
     if constexpr (kGeneral && kUnswitchSoftcap) {
       if (softcap > 0.0f) {
-        apply_with<kCheckMask, Softcap::kOn>(acc, coords, row0, col0, on_visible, on_hidden);
+        apply_unswitched<kCheckMask, Softcap::kOn>(acc, coords, row0, col0, on_visible, on_hidden);
       } else {
-        apply_with<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
+        apply_unswitched<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
       }
     } else if constexpr (kGeneral) {
       apply_with<kCheckMask, Softcap::kTested>(acc, coords, row0, col0, on_visible, on_hidden);
     } else if constexpr (kCheckMask) {
-      // Without segment ids (most calls) the element test is two compares and a select; with them it also loads
-      // each key's id under a branch. One copy of the loop each, so that the common case carries no branch per
-      // element (with the loads compiled in, the sm90 d=64 forward's masked tiles had one per element).
-      if (mask.q_segment_ids == nullptr) {
-        apply_with<kCheckMask, Softcap::kOff, false>(acc, coords, row0, col0, on_visible, on_hidden);
-      } else {
-        apply_with<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
-      }
+      apply_unswitched<kCheckMask, Softcap::kOff>(acc, coords, row0, col0, on_visible, on_hidden);
     }
   }
 
@@ -132,6 +125,22 @@ struct ScoreTile {
   // Where the softcap test sits: kTested, in every visible element (one copy of the tile loop); kOn / kOff, in
   // apply (kUnswitchSoftcap: a copy of the loop each, no branch per element).
   enum class Softcap { kOff, kOn, kTested };
+
+  // Without segment ids (most calls) a masked tile's element test is two compares and a select; with them it also
+  // loads each key's id under a branch. One copy of the loop each, so that the common case carries no branch per
+  // element (with the loads compiled in, the sm90 d=64 forward's masked tiles had one per element). Unmasked tiles
+  // have no segment test to drop.
+  template <bool kCheckMask, Softcap kSoftcap, class Acc, class Coords, class OnVisible, class OnHidden>
+  __device__ __forceinline__ void apply_unswitched(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
+                                                   OnVisible& on_visible, OnHidden& on_hidden) const {
+    if constexpr (kCheckMask) {
+      if (mask.q_segment_ids == nullptr) {
+        apply_with<kCheckMask, kSoftcap, false>(acc, coords, row0, col0, on_visible, on_hidden);
+        return;
+      }
+    }
+    apply_with<kCheckMask, kSoftcap>(acc, coords, row0, col0, on_visible, on_hidden);
+  }
 
   // kSegments = false: the caller knows the call has no segment ids.
   template <bool kCheckMask, Softcap kSoftcap, bool kSegments = true, class Acc, class Coords, class OnVisible,
