@@ -54,13 +54,6 @@ namespace jax_flash::cuda::sm90 {
 constexpr int kDkdvEpilogueBarrier = 1;
 constexpr int kDsStoredBarrier = 3;
 
-// Fused dQ: the order in which a consumer issues an item's last three GEMMs (under A/B on the H200,
-// JAX_FLASH_SM90_FUSED_DQ_ORDER, backward_launch.h):
-//   kAfterDk: barrier, dV, dK, dQ; the dQ tile is staged once all three retired (nothing overlaps the staging);
-//   kDvFirst: dV issued before the dS barrier (it runs while the consumers meet), then dK, dQ as kAfterDk;
-//   kUnderDk: dV before the barrier, then dQ, then dK: dQ retires first and is staged while dK runs.
-enum class FusedDqOrder { kAfterDk = 0, kDvFirst = 1, kUnderDk = 2 };
-
 // Producer thread: K and V once, then Q and dO of every item.
 template <class Traits, BackwardForm kForm>
 __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBlock& kb,
@@ -208,7 +201,7 @@ __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock&
 // Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
 // item's dQ), then the epilogue.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
-template <class Traits, BackwardForm kForm, bool kFusedDq, FusedDqOrder kOrder = FusedDqOrder::kAfterDk>
+template <class Traits, BackwardForm kForm, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
@@ -330,53 +323,39 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     Tensor score_grads = sm80::converted<T>(acc_dp);
     Tensor probs_operand = make_tensor(probs.data(), accumulator_as_operand_a(probs.layout()));
     Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
-    const int buffer = visit & 1;
-    constexpr bool kDvBeforeBarrier = kFusedDq && kOrder != FusedDqOrder::kAfterDk;
-    auto issue_dv = [&] { issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv); };
-    auto issue_dk = [&] { issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk); };
-    // The staged tile is free again once the writer's reductions of the previous item have read it.
-    auto stage_dq = [&](auto const& acc_dq) {
+    if constexpr (kFusedDq) {
+      // Buffer visit & 1 is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
+      // barrier, which this consumer has passed.
+      const int buffer = visit & 1;
+      copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
+      fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
+      // dV first, so that it runs while the consumers meet; then dQ before dK, so that dQ retires first and its
+      // staging overlaps dK. On the H200 this order ran the backward 4-7% faster than barrier, dV, dK, dQ with the
+      // staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, twenty-third session).
+      issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
+      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+      Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+      issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+      issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+      // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it
+      // feeds) are register operands of the WGMMAs just issued, so their issue waited for those loads.
+      pipeline_stats.consumer_release(read);
+      warpgroup_wait<1>();  // dV and dQ retired; dK runs on under the staging
+      // The staged tile is free again once the writer's reductions of the previous item have read it.
       if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
       stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, group, thread % 128);
       fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
       cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
-    };
-    if constexpr (kFusedDq) {
-      // Buffer `buffer` is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
-      // barrier, which this consumer has passed.
-      copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
-      fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
-      if constexpr (kDvBeforeBarrier) issue_dv();
-      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
-    }
-    if constexpr (!kDvBeforeBarrier) issue_dv();
-    Tensor frag_ds_item = frag_ds(_, _, _, buffer);
-    if constexpr (kFusedDq && kOrder == FusedDqOrder::kUnderDk) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
-      issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
-      issue_dk();
-      pipeline_stats.consumer_release(read);  // after its register operands' issue, as below
-      warpgroup_wait<1>();  // dV and dQ retired; dK runs on under the staging
-      stage_dq(acc_dq);
-      warpgroup_wait<0>();
+      warpgroup_wait<0>();  // dK retired: Q (and dO) may go back
       pipeline_qdo.consumer_release(read);
     } else {
-      issue_dk();
-      // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it
-      // feeds) are these WGMMAs' register operands, so their issue waits for those loads.
-      pipeline_stats.consumer_release(read);
-      if constexpr (kFusedDq) {
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
-        issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
-        warpgroup_wait<1>();  // dV and dK retired: the Q/dO stage may go back while dQ runs
-        pipeline_qdo.consumer_release(read);
-        warpgroup_wait<0>();
-        stage_dq(acc_dq);
-      } else {
-        // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
-        warpgroup_wait<0>();
-        pipeline_qdo.consumer_release(read);
-      }
+      issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
+      issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+      pipeline_stats.consumer_release(read);  // after the issue of its loads' register operands, as above
+      // Retire both before the registers of P^T and dS^T go out of scope and before the stage is handed back.
+      warpgroup_wait<0>();
+      pipeline_qdo.consumer_release(read);
     }
     ++read;
   }
@@ -399,7 +378,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
 }
 
-template <class Traits, BackwardForm kForm, bool kFusedDq, FusedDqOrder kOrder = FusedDqOrder::kAfterDk>
+template <class Traits, BackwardForm kForm, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
   using namespace cute;
@@ -467,8 +446,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if constexpr (Traits::kTf32) {
       consume_query_tiles_tf32<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     } else {
-      consume_query_tiles<Traits, kForm, kFusedDq, kOrder>(p, kb, smem, pipeline_qdo, pipeline_stats,
-                                                          warp_group - 1);
+      consume_query_tiles<Traits, kForm, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
     }
   }
 }

@@ -9,7 +9,6 @@
 //     recomputes S and dP: no atomics anywhere, bit-reproducible.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -39,13 +38,13 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 }
 
 // The dK/dV kernel of traits Traits (one CTA per key tile and KV head).
-template <class Traits, BackwardForm kForm, bool kFusedDq, FusedDqOrder kOrder = FusedDqOrder::kAfterDk>
+template <class Traits, BackwardForm kForm, bool kFusedDq>
 std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
   using namespace cute;
   const BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
-  auto kernel = dkdv_kernel<Traits, kForm, kFusedDq, kOrder>;
+  auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid);
@@ -57,27 +56,9 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   return sm80::last_launch_error(what);
 }
 
-template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq, FusedDqOrder kOrder = FusedDqOrder::kAfterDk>
+template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
-  return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq, kOrder>(p, stream,
-                                                                                  "sm90 dK/dV kernel launch");
-}
-
-// JAX_FLASH_SM90_FUSED_DQ_ORDER (read at every call; an A/B switch of the common form's fused dK/dV kernel):
-// unset, "" or "0" kAfterDk, "1" kDvFirst, "2" kUnderDk (backward_dkdv_kernel.h FusedDqOrder).
-inline std::string fused_dq_order_switch(FusedDqOrder* order) {
-  const char* env = std::getenv("JAX_FLASH_SM90_FUSED_DQ_ORDER");
-  const std::string value = env ? env : "";
-  if (value == "" || value == "0") {
-    *order = FusedDqOrder::kAfterDk;
-  } else if (value == "1") {
-    *order = FusedDqOrder::kDvFirst;
-  } else if (value == "2") {
-    *order = FusedDqOrder::kUnderDk;
-  } else {
-    return "JAX_FLASH_SM90_FUSED_DQ_ORDER must be 0, 1 or 2, not '" + value + "'";
-  }
-  return {};
+  return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
 }
 
 // The dQ kernel of traits Traits (one CTA per query tile and head).
@@ -124,16 +105,6 @@ template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream) {
   if (fused_dq) {
     if constexpr (has_fused_dq(kHeadDim)) {
-      if constexpr (kForm == BackwardForm::kCommon) {
-        FusedDqOrder order = FusedDqOrder::kAfterDk;
-        if (std::string err = fused_dq_order_switch(&order); !err.empty()) return err;
-        if (order == FusedDqOrder::kDvFirst) {
-          return launch_dkdv<kHeadDim, Element, kForm, true, FusedDqOrder::kDvFirst>(p, stream);
-        }
-        if (order == FusedDqOrder::kUnderDk) {
-          return launch_dkdv<kHeadDim, Element, kForm, true, FusedDqOrder::kUnderDk>(p, stream);
-        }
-      }
       return launch_dkdv<kHeadDim, Element, kForm, true>(p, stream);
     } else {
       return "sm90 backward: no fused dQ form for this head dim";
