@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
 
-  const KeyBlock kb = locate_key_block<Traits>(p);
+  const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices);
   // No query sees these keys (by position, or in the masked form by the mask summary): dK = dV = 0.
   if (next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items) {
     using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));

@@ -9,6 +9,8 @@
 //     recomputes S and dP: no atomics anywhere, bit-reproducible.
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -37,13 +39,39 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};
 }
 
+// Causal calls order the dK/dV kernel's CTAs in bands of slices, longest key blocks first within each
+// (backward_key_block.h banded_block_coord). JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (read at every call): unset or "0"
+// keeps the slice-by-slice order; N > 0 sizes the bands so that their Q, dO and float32 dQ rows take about N MiB.
+inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t element_bytes, int64_t* band) {
+  *band = 0;
+  const char* env = std::getenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB");
+  const std::string value = env ? env : "";
+  int64_t budget = 0;
+  if (value != "") {
+    char* end = nullptr;
+    const long long mib = std::strtoll(value.c_str(), &end, 10);
+    if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
+      return "JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB must be a whole number of MiB (0: no bands), not '" + value + "'";
+    }
+    budget = int64_t(mib) << 20;
+  }
+  if (!p.causal || budget == 0) return {};
+  const int64_t slices = p.batch * p.heads_kv;
+  const int64_t bytes_per_slice = (p.heads_q / p.heads_kv) * p.seqlen_q * p.head_dim * (2 * element_bytes + 4);
+  *band = std::clamp<int64_t>(budget / std::max<int64_t>(1, bytes_per_slice), 1, slices);
+  return {};
+}
+
 // The dK/dV kernel of traits Traits (one CTA per key tile and KV head).
 template <class Traits, BackwardForm kForm, bool kFusedDq>
 std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
   using namespace cute;
-  const BackwardArgs<Traits> args =
+  BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
+  if (std::string err = causal_band_slices(p, sizeof(typename Traits::Element), &args.band_slices); !err.empty()) {
+    return err;
+  }
   auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;

@@ -475,6 +475,9 @@ struct BackwardArgs {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  // dK/dV kernel: 0 orders the CTAs slice by slice (every key block of one (batch, KV head) slice, then the next);
+  // n > 0 cuts the slices into bands of n and orders each band key block first (backward_key_block.h).
+  int64_t band_slices = 0;
 };
 
 }  // namespace jax_flash::cuda::sm90
