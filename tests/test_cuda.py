@@ -371,6 +371,31 @@ def test_backward_dq_modes(feature, head_dim, dq_mode, kernel, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
+@pytest.mark.parametrize("dq_mode", ("fused", "separate"))
+@pytest.mark.parametrize("band_mib", ("1", "3", "4096"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_backward_sm90_causal_bands(head_dim, band_mib, dq_mode, monkeypatch):
+    """The sm90 dK/dV pass's causal CTA order in bands of slices (JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB): 3 slices
+    (batch 3, one KV head of 4 query heads) of Q, dO and float32 dQ rows taking ~1.4 MiB (d=64) / ~2.7 MiB (d=128)
+    each, so 1 MiB makes bands of one slice, 3 MiB bands of two at d=64 (the last one narrower) and of one at
+    d=128, 4096 one band of all three."""
+    use_backward_kernel(monkeypatch, "sm90", head_dim, "causal")
+    monkeypatch.setenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB", band_mib)
+    monkeypatch.setenv("JAX_FLASH_FUSED_DQ", "1" if dq_mode == "fused" else "0")
+    case = Case(batch=3, seqlen_q=700, seqlen_k=900, heads_q=4, heads_kv=1, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim + len(band_mib))
+    check_gradients_on_gpu(case, **feature_kwargs("causal", case))
+
+
+def test_backward_sm90_causal_band_switch_rejects_bad_values(monkeypatch):
+    use_backward_kernel(monkeypatch, "sm90", 64, "causal")
+    monkeypatch.setenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB", "wide")
+    q, k, v = _on(GPUS[0], *Case(head_dim=64, dtype=jnp.bfloat16).inputs())
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB must be"):
+        jax.block_until_ready(jax.grad(lambda q_: jnp.sum(
+            jax_flash.attention(q_, k, v, causal=True).astype(jnp.float32)))(q))
+
+
 @pytest.mark.parametrize("feature", ("none", "segments"))
 @pytest.mark.parametrize("heads", ((140, 140), (280, 70)), ids=("mha", "gqa"))
 @pytest.mark.parametrize("head_dim", (64, 128))
