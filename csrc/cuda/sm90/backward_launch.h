@@ -40,18 +40,29 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 }
 
 // Causal calls order the dK/dV kernel's CTAs in bands of slices, longest key blocks first within each
-// (backward_key_block.h banded_block_coord). JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (read at every call): unset or "0"
-// keeps the slice-by-slice order; N > 0 sizes the bands so that their Q, dO and float32 dQ rows take about N MiB.
-inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t element_bytes, int64_t* band) {
+// (backward_key_block.h banded_block_coord), the bands sized so that their Q, dO and float32 dQ rows take about
+// 32 MiB, by default in the fused-dQ kernels (d=64 / d=128), where it was measured: on the H200 (bf16, causal,
+// bench_env_ab.py, results/env_ab_NVIDIA_H200_2026-12-03_bwdbands_s23.json) 32 MiB bands ran the backward between
+// 0.3% slower and 4.5% faster than the slice-by-slice order (d=128: 1k +2%, 2k +3%, 4k +4.5%; 16k -0.3%; d=64 0
+// to +2%), 8 MiB about the same; one band over all slices (4096 MiB) 1.5-21% slower, its concurrent CTAs reading Q
+// and dO and adding dQ rows of as many different slices. The other dK/dV kernels (d=96/192/256, TF32, separate dQ)
+// keep the slice order unless the switch asks for bands.
+constexpr int64_t kCausalBandBytes = int64_t(32) << 20;
+
+// JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" the default above; "0" the
+// slice-by-slice order; N > 0 bands of about N MiB (every dK/dV kernel).
+inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t element_bytes, bool fused_dq,
+                                      int64_t* band) {
   *band = 0;
   const char* env = std::getenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB");
   const std::string value = env ? env : "";
-  int64_t budget = 0;
-  if (value != "") {
+  int64_t budget = fused_dq ? kCausalBandBytes : 0;
+  if (value != "" && value != "auto") {
     char* end = nullptr;
     const long long mib = std::strtoll(value.c_str(), &end, 10);
     if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
-      return "JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB must be a whole number of MiB (0: no bands), not '" + value + "'";
+      return "JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB must be auto or a whole number of MiB (0: no bands), not '" + value +
+             "'";
     }
     budget = int64_t(mib) << 20;
   }
@@ -69,7 +80,8 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
-  if (std::string err = causal_band_slices(p, sizeof(typename Traits::Element), &args.band_slices); !err.empty()) {
+  if (std::string err = causal_band_slices(p, sizeof(typename Traits::Element), kFusedDq, &args.band_slices);
+      !err.empty()) {
     return err;
   }
   auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
