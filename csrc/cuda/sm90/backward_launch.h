@@ -10,7 +10,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -19,7 +18,7 @@
 #include "backward_dkdv_kernel.h"
 #include "backward_dq_kernel.h"
 #include "backward_traits.h"
-#include "forward_launch.h"  // bshd_tensor
+#include "forward_launch.h"  // bshd_tensor, band_mib_switch
 
 namespace jax_flash::cuda::sm90 {
 
@@ -49,23 +48,13 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 // keep the slice order unless the switch asks for bands.
 constexpr int64_t kCausalBandBytes = int64_t(32) << 20;
 
-// JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" the default above; "0" the
+// JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (forward_launch.h band_mib_switch): "auto" the default above; "0" the
 // slice-by-slice order; N > 0 bands of about N MiB (every dK/dV kernel).
 inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t element_bytes, bool fused_dq,
                                       int64_t* band) {
   *band = 0;
-  const char* env = std::getenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB");
-  const std::string value = env ? env : "";
   int64_t budget = fused_dq ? kCausalBandBytes : 0;
-  if (value != "" && value != "auto") {
-    char* end = nullptr;
-    const long long mib = std::strtoll(value.c_str(), &end, 10);
-    if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
-      return "JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB must be auto or a whole number of MiB (0: no bands), not '" + value +
-             "'";
-    }
-    budget = int64_t(mib) << 20;
-  }
+  if (std::string err = band_mib_switch("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB", &budget); !err.empty()) return err;
   if (!p.causal || budget == 0) return {};
   const int64_t slices = p.batch * p.heads_kv;
   const int64_t bytes_per_slice = (p.heads_q / p.heads_kv) * p.seqlen_q * p.head_dim * (2 * element_bytes + 4);

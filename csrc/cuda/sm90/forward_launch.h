@@ -94,23 +94,28 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
 constexpr int64_t kPersistentCausalBandBytes = int64_t(4) << 20;
 constexpr int64_t kPerTileCausalBandBytes = int64_t(16) << 20;
 
-// JAX_FLASH_SM90_CAUSAL_BAND_MIB (read at every call): unset, "" or "auto" sizes the bands as above; "0" makes one
-// band of every slice (the longest-first order over all slices, as before the bands); N > 0 sizes them at N MiB.
+// A band-size switch (read at every call): unset, "" or "auto" leaves *bytes at its default; N sets N MiB (0: no
+// bands, as the caller reads it); anything else is an error naming the variable.
+inline std::string band_mib_switch(const char* variable, int64_t* bytes) {
+  const char* env = std::getenv(variable);
+  const std::string value = env ? env : "";
+  if (value == "" || value == "auto") return {};
+  char* end = nullptr;
+  const long long mib = std::strtoll(value.c_str(), &end, 10);
+  if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
+    return std::string(variable) + " must be auto or a whole number of MiB (0: no bands), not '" + value + "'";
+  }
+  *bytes = int64_t(mib) << 20;
+  return {};
+}
+
+// JAX_FLASH_SM90_CAUSAL_BAND_MIB (band_mib_switch): "auto" sizes the bands as above; "0" makes one band of every
+// slice (the longest-first order over all slices, as before the bands); N > 0 sizes them at N MiB.
 // Slices of one KV head (GQA) count its K/V once.
 inline std::string causal_band(const AttentionParams& p, bool persistent, int64_t element_bytes, uint32_t slices,
                                uint32_t* band) {
   int64_t budget = persistent ? kPersistentCausalBandBytes : kPerTileCausalBandBytes;
-  const char* env = std::getenv("JAX_FLASH_SM90_CAUSAL_BAND_MIB");
-  const std::string value = env ? env : "";
-  if (value != "" && value != "auto") {
-    char* end = nullptr;
-    const long long mib = std::strtoll(value.c_str(), &end, 10);
-    if (*end != '\0' || mib < 0 || mib > (int64_t(1) << 20)) {
-      return "JAX_FLASH_SM90_CAUSAL_BAND_MIB must be auto or a whole number of MiB (0: no bands), not '" + value +
-             "'";
-    }
-    budget = int64_t(mib) << 20;
-  }
+  if (std::string err = band_mib_switch("JAX_FLASH_SM90_CAUSAL_BAND_MIB", &budget); !err.empty()) return err;
   const int64_t kv_bytes_per_slice = 2 * p.seqlen_k * p.head_dim * element_bytes / (p.heads_q / p.heads_kv);
   *band = budget == 0 ? slices
                       : static_cast<uint32_t>(std::clamp<int64_t>(budget / std::max<int64_t>(1, kv_bytes_per_slice),
