@@ -96,7 +96,7 @@ __device__ __forceinline__ void softmax_d_rows_of_width(const AttentionBackwardP
     }
   } else {
     const int c = lane * kWidth;
-    Vector a[kRows], b[kRows];
+    Vector a[kRows] = {}, b[kRows] = {};  // zeros where a lane has no row or no columns: they add nothing
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = first + int64_t(r) * groups;
@@ -108,9 +108,7 @@ __device__ __forceinline__ void softmax_d_rows_of_width(const AttentionBackwardP
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       dot[r] = 0.0f;
-      if (first + int64_t(r) * groups < rows && c < head_dim) {
-        for (int k = 0; k < kWidth; ++k) dot[r] += float(a[r].v[k]) * float(b[r].v[k]);
-      }
+      for (int k = 0; k < kWidth; ++k) dot[r] += float(a[r].v[k]) * float(b[r].v[k]);
     }
   }
 #pragma unroll

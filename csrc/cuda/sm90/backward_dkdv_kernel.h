@@ -330,8 +330,8 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
       fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
       // dV first, so that it runs while the consumers meet; then dQ before dK, so that dQ retires first and its
-      // staging overlaps dK. On the H200 this order ran the backward 4-7% faster than barrier, dV, dK, dQ with the
-      // staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, twenty-third session).
+      // staging overlaps dK. On the H200 this order ran the backward 3-9% faster (median 5.5%) than barrier, dV, dK,
+      // dQ with the staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, 23rd session).
       issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
       named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});

@@ -56,19 +56,29 @@ auto make_tma_v(const AttentionParams& p) {
 // 0.94-1.02x at 8k.
 constexpr int64_t kPersistentMaxSeqlenK = 2048;
 
+// A switch read at every call: unset, "" or "auto" sets *on to `automatic`, "1" to true, "0" to false; anything
+// else is an error naming the variable.
+inline std::string on_off_auto_switch(const char* variable, bool automatic, bool* on) {
+  const char* env = std::getenv(variable);
+  const std::string value = env ? env : "";
+  if (value == "" || value == "auto") {
+    *on = automatic;
+  } else if (value == "0" || value == "1") {
+    *on = value == "1";
+  } else {
+    return std::string(variable) + " must be 0, 1 or auto, not '" + value + "'";
+  }
+  return {};
+}
+
 // JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
 // each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= kPersistentMaxSeqlenK and one CTA per
 // tile otherwise; "1" forces the persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid:
 // JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
 inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas) {
-  const char* env = std::getenv("JAX_FLASH_SM90_PERSISTENT");
-  const std::string value = env ? env : "";
-  if (value == "" || value == "auto") {
-    *persistent = seqlen_k <= kPersistentMaxSeqlenK;
-  } else if (value == "0" || value == "1") {
-    *persistent = value == "1";
-  } else {
-    return "JAX_FLASH_SM90_PERSISTENT must be 0, 1 or auto, not '" + value + "'";
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_PERSISTENT", seqlen_k <= kPersistentMaxSeqlenK, persistent);
+      !err.empty()) {
+    return err;
   }
   *max_ctas = 0;
   const char* cap = std::getenv("JAX_FLASH_SM90_PERSISTENT_CTAS");
@@ -134,16 +144,8 @@ constexpr int64_t kTwoPerSmMaxSeqlenKCausal = 4096;
 // JAX_FLASH_SM90_TWO_PER_SM (read at every call) picks that tile where the head dim has one and the call has more
 // than 64 query rows: unset, "" or "auto" by the key lengths above, "1" always, "0" never.
 inline std::string two_per_sm_switch(const AttentionParams& p, bool* two_per_sm) {
-  const char* env = std::getenv("JAX_FLASH_SM90_TWO_PER_SM");
-  const std::string value = env ? env : "";
-  if (value == "" || value == "auto") {
-    *two_per_sm = p.seqlen_k <= (p.causal ? kTwoPerSmMaxSeqlenKCausal : kTwoPerSmMaxSeqlenK);
-  } else if (value == "0" || value == "1") {
-    *two_per_sm = value == "1";
-  } else {
-    return "JAX_FLASH_SM90_TWO_PER_SM must be 0, 1 or auto, not '" + value + "'";
-  }
-  return {};
+  return on_off_auto_switch("JAX_FLASH_SM90_TWO_PER_SM",
+                            p.seqlen_k <= (p.causal ? kTwoPerSmMaxSeqlenKCausal : kTwoPerSmMaxSeqlenK), two_per_sm);
 }
 
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
