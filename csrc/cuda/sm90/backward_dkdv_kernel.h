@@ -16,6 +16,7 @@
 // Fused dQ (kFusedDq, when the call gives a dq_accum workspace; not for deterministic calls): each consumer also
 // stores its dS^T into shared memory, the two meet at a barrier, and consumer g computes
 //      dQ[:, g-th column slice] = dS K    (WGMMA, both operands from smem; all kBlockN keys)
+// (at d=64 one consumer computes all the columns, the two taking turns by item: DkdvTraits::kDqAlternating)
 // and stages it in shared memory in fragment order; one thread of producer warp 2 adds the whole staged tile to its
 // chunk of the tile-major dq_accum with one bulk reduction (dq_staging.h), so the consumers issue no global
 // atomics. Then no separate dQ pass recomputes S and dP: 5 GEMMs instead of 7.
@@ -249,8 +250,10 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
                 dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kBlockM, kDqCols>());  // staged order
   auto thr_dq = mma_dq.get_thread_slice(thread % 128);
   Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
+  // This consumer's column slice of K^T (all of it where the consumers alternate over items).
+  const int dq_slice = Traits::kDqAlternating ? 0 : group;
   Tensor frag_kt = thr_dq.partition_fragment_B(
-      local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(group, 0)));
+      local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(dq_slice, 0)));
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
@@ -334,19 +337,26 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // dQ with the staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, 23rd session).
       issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
       named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
-      Tensor frag_ds_item = frag_ds(_, _, _, buffer);
-      issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
-      issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
-      // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it
-      // feeds) are register operands of the WGMMAs just issued, so their issue waited for those loads.
-      pipeline_stats.consumer_release(read);
-      warpgroup_wait<1>();  // dV and dQ retired; dK runs on under the staging
-      // The staged tile is free again once the writer's reductions of the previous item have read it.
-      if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
-      stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, group, thread % 128);
-      fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
-      cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
+      if (!Traits::kDqAlternating || (visit & 1) == group) {
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+        Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+        issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+        issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+        // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it
+        // feeds) are register operands of the WGMMAs just issued, so their issue waited for those loads.
+        pipeline_stats.consumer_release(read);
+        warpgroup_wait<1>();  // dV and dQ retired; dK runs on under the staging
+        // The staged tile is free again once the writer's reduction of the previous item has read it. (Alternating:
+        // the previous item's consumer waited for the one before at that item's barrier, which this one passed, so
+        // the barrier is never two phases behind the parity waited for.)
+        if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
+        stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, dq_slice, thread % 128);
+        fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
+        cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
+      } else {  // the other consumer computes this item's dQ
+        issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
+        pipeline_stats.consumer_release(read);
+      }
       warpgroup_wait<0>();  // dK retired: Q (and dO) may go back
       pipeline_qdo.consumer_release(read);
     } else {
@@ -409,7 +419,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
     if constexpr (kFusedDq) {
-      cutlass::arch::ClusterBarrier::init(&smem.dq_full, Traits::kConsumerThreads);
+      cutlass::arch::ClusterBarrier::init(&smem.dq_full, Traits::kDqStagers);
       cutlass::arch::ClusterBarrier::init(&smem.dq_empty, 1);
     }
   }

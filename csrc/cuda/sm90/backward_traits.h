@@ -114,10 +114,20 @@ struct DkdvTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       GroupLayout{}));
 
-  // Fused dQ (backward_dkdv_kernel.h, when the call gives a dq_accum workspace): dQ = dS K per query tile,
-  // consumer g computing head-dim columns [g * kDqCols, (g + 1) * kDqCols) over all kBlockN keys. dS (both
-  // consumers' keys) goes through shared memory, double-buffered by item parity.
-  static constexpr int kDqCols = kHeadDim / kConsumerGroups;
+  // Fused dQ (backward_dkdv_kernel.h, when the call gives a dq_accum workspace): dQ = dS K per query tile over all
+  // kBlockN keys, dS (both consumers' keys) through shared memory, double-buffered by item parity. Either consumer g
+  // computes head-dim columns [g * kDqCols, (g + 1) * kDqCols) of every item, or (kDqAlternating) one consumer
+  // computes all columns of an item, consumer (item visit % 2) in turn. The latter at d=64: split, each consumer's
+  // WGMMA is 64 x 32 with both operands from shared memory, 3 KiB of operand reads per 16 tensor-core cycles, more
+  // than the SM's 128 bytes per cycle; whole, 64 x 64 reads 4 KiB per 32 cycles. On the H200 the d=64 backward ran
+  // 2-4% faster so (every cell of 512-16k, causal and not; benchmarks/NOTES.md, 24th session). d=128 keeps the
+  // split (64 x 64 each already; whole, the dQ accumulator would add 32 floats to a consumer that has none spare).
+  // Not a gain, measured the same way: K and V as register A operands of S^T and dP^T (then those two GEMMs read
+  // only Q and dO from shared memory): -1% to +1%.
+  static constexpr bool kDqAlternating = kHeadDim == 64 && kConsumerGroups == 2;
+  static constexpr int kDqCols = kDqAlternating ? kHeadDim : kHeadDim / kConsumerGroups;
+  static constexpr int kDqSlices = kHeadDim / kDqCols;  // consumers whose column slices make up one item's dQ
+  static constexpr int kDqStagers = kDqSlices * 128;  // consumer threads that stage each item's dQ
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>()));
@@ -163,7 +173,7 @@ struct DkdvTraits {
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
     alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
-    alignas(8) uint64_t dq_full;   // fused dQ: every consumer thread staged its part of an item's dQ tile
+    alignas(8) uint64_t dq_full;   // fused dQ: the item's kDqStagers threads staged their parts of its dQ tile
     alignas(8) uint64_t dq_empty;  // fused dQ: the writer's bulk reduction has read the staged tile
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));

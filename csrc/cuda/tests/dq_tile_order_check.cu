@@ -28,7 +28,7 @@ void expect(bool ok, const char* what, int head_dim, int a, int b) {
 template <int kHeadDim>
 void check() {
   using Traits = DkdvTraits<kHeadDim, cutlass::bfloat16_t>;
-  constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols, kGroups = Traits::kConsumerGroups;
+  constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols, kGroups = Traits::kDqSlices;
   constexpr int kGroupsPerConsumer = Traits::kDqGroupsPerConsumer;
   constexpr int kFloats = kRows * kHeadDim;
   typename Traits::TiledMmaDq mma;
