@@ -36,7 +36,8 @@ struct BackwardTile {
 // one Q/dO stage (64 KiB) and P^T/dS^T (16 KiB): 210 KiB with a single stage, i.e. no load overlap at all.
 constexpr BackwardTile dkdv_tile(int head_dim) {
   // d=64 with 128-row query tiles (64 + 64 + 32 + 32 floats) spilled; 64 rows and a third stage instead.
-  // Fused dQ adds head_dim / 4 floats (the dQ slice) while S^T and dP^T are already converted.
+  // Fused dQ adds head_dim / 4 floats (the dQ slice; at d=64, where one consumer computes an item's whole dQ,
+  // head_dim / 2 on its turn) while S^T and dP^T are already converted.
   switch (head_dim) {
     case 64: return {64, 128, 3};         // 32 + 48 + 32 KiB; 32 + 32 + 32 + 32 floats
     case 96: return {64, 128, 2};         // 48 + 48 + 32 KiB; 32 + 32 + 48 + 48 floats
