@@ -189,14 +189,15 @@ __device__ __forceinline__ void dq_from_column_groups(const AttentionBackwardPar
 }
 
 // The dQ part of a fused backward, after softmax_d: zero the first `count` floats of the workspace (what the family's
-// layout uses), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds into it), then its conversion
-// kernel of kDqConvertThreads threads (dq_from_column_groups or sm90's dq_from_tiles; both stride over the chunks, so
-// the grid is `convert_blocks`, the number of CTAs the work asks for, capped at 65536).
+// layout uses; none where the pre-pass zeroed it), run the family's fused dK/dV pass (launch_fused_dkdv(), which adds
+// into it), then its conversion kernel of kDqConvertThreads threads (dq_from_column_groups or sm90's dq_from_tiles;
+// both stride over the chunks, so the grid is `convert_blocks`, the number of CTAs the work asks for, capped at
+// 65536).
 template <class LaunchFusedDkdv>
 std::string run_fused_dq(const AttentionBackwardParams& p, cudaStream_t stream, int64_t count,
                          LaunchFusedDkdv launch_fused_dkdv, void (*convert_kernel)(const AttentionBackwardParams),
                          int64_t convert_blocks, const char* family) {
-  if (cudaMemsetAsync(p.dq_accum, 0, count * sizeof(float), stream) != cudaSuccess) {
+  if (count > 0 && cudaMemsetAsync(p.dq_accum, 0, count * sizeof(float), stream) != cudaSuccess) {
     return sm80::last_launch_error((std::string(family) + " backward: zeroing dq_accum").c_str());
   }
   if (std::string err = launch_fused_dkdv(); !err.empty()) return err;

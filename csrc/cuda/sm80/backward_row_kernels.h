@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../../common/attention_params.h"
+#include "../../common/dq_workspace.h"
 #include "../common/block_range.h"
 #include "tensor_offsets.h"
 
@@ -51,29 +52,44 @@ JF_HOST_DEVICE int64_t softmax_d_blocks(const AttentionBackwardParams& p) {
   return ceil_div(p.batch * p.seqlen_q * p.heads_q, softmax_d_rows_per_block<T>(p));
 }
 
-// (batch, head, position) of BSHD row ((b * Sq) + i) * Hq + h, as its softmax_d offset. Two 32-bit divisions where
+// (batch, head, position) of BSHD row ((b * Sq) + i) * Hq + h. Two 32-bit divisions where
 // the rows fit (always, in practice): 64-bit ones are long software sequences, and with one warp per row they were
 // most of this pass's instructions (92 us at d=128 4k, 16k tokens and 16 heads under Nsight Compute; its 134 MB of
 // reads take ~33 us at 4 TB/s).
-JF_HOST_DEVICE int64_t softmax_d_stat_offset(const AttentionBackwardParams& p, int64_t row, int64_t rows) {
-  int64_t head, position, batch;
+struct RowCoord {
+  int64_t batch, head, position;
+};
+JF_HOST_DEVICE RowCoord softmax_d_row_coord(const AttentionBackwardParams& p, int64_t row, int64_t rows) {
   if (rows <= int64_t(UINT32_MAX)) {
     const uint32_t r = static_cast<uint32_t>(row), heads = static_cast<uint32_t>(p.heads_q);
     const uint32_t batch_position = r / heads, seqlen = static_cast<uint32_t>(p.seqlen_q);
-    head = r - batch_position * heads;
-    batch = batch_position / seqlen;
-    position = batch_position - static_cast<uint32_t>(batch) * seqlen;
-  } else {
-    head = row % p.heads_q;
-    position = (row / p.heads_q) % p.seqlen_q;
-    batch = row / (p.heads_q * p.seqlen_q);
+    const uint32_t batch = batch_position / seqlen;
+    return {batch, r - batch_position * heads, batch_position - batch * seqlen};
   }
-  return row_stat_offset(p, batch, head, position);
+  return {row / (p.heads_q * p.seqlen_q), row % p.heads_q, (row / p.heads_q) % p.seqlen_q};
+}
+
+// Fused dQ of the sm90 family: the pre-pass also zeroes the dq_accum workspace that the dK/dV pass then adds into
+// (common/dq_workspace_tile.h: [batch, heads_q, query tile, 64 * head_dim floats]; the order inside a chunk is the
+// family's, so zeroing needs none of it): each row's lanes zero the head_dim floats at its position's offset in its
+// chunk, and the last position's the rest of its chunk too (a partial last tile's rows past seqlen_q). That saves a
+// memset of the whole workspace (twice the bytes of dQ) as a pass of its own. Needs a 16-byte aligned workspace and
+// head_dim % 4 == 0 (the sm90 fused dQ's conditions).
+__device__ __forceinline__ void zero_dq_accum_of_row(const AttentionBackwardParams& p, const RowCoord& at, int lane,
+                                                     int lanes) {
+  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
+  float* chunk = p.dq_accum + ((at.batch * p.heads_q + at.head) * tiles + at.position / kDqWorkspaceTileRows) *
+                                  kDqWorkspaceTileRows * p.head_dim;
+  const int64_t begin = at.position % kDqWorkspaceTileRows * p.head_dim;
+  const int64_t end = at.position == p.seqlen_q - 1 ? kDqWorkspaceTileRows * p.head_dim : begin + p.head_dim;
+  for (int64_t f = begin + 4 * lane; f < end; f += 4 * lanes) {
+    *reinterpret_cast<float4*>(chunk + f) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
 }
 
 // The CTA's rows: lane group g of G takes rows first + g + r * G, r < kRows (kRows > 1: one vector per lane covers
 // a row, and the group's kRows loads of O and dO are issued before any arithmetic).
-template <class T, int kWidth, int kRows>
+template <class T, int kWidth, int kRows, bool kZeroDqAccum>
 __device__ __forceinline__ void softmax_d_rows_of_width(const AttentionBackwardParams& p) {
   struct alignas(kWidth * sizeof(T)) Vector { T v[kWidth]; };
   const int head_dim = static_cast<int>(p.head_dim);
@@ -115,23 +131,27 @@ __device__ __forceinline__ void softmax_d_rows_of_width(const AttentionBackwardP
   for (int r = 0; r < kRows; ++r) {
     for (int offset = lanes / 2; offset > 0; offset /= 2) dot[r] += __shfl_xor_sync(0xffffffff, dot[r], offset);
     const int64_t row = first + int64_t(r) * groups;
-    if (lane != 0 || row >= rows) continue;
-    const int64_t stat = softmax_d_stat_offset(p, row, rows);
+    if (row >= rows) continue;
+    const RowCoord at = softmax_d_row_coord(p, row, rows);
+    if constexpr (kZeroDqAccum) zero_dq_accum_of_row(p, at, lane, lanes);
+    if (lane != 0) continue;
+    const int64_t stat = row_stat_offset(p, at.batch, at.head, at.position);
     p.softmax_d[stat] = dot[r] - (p.d_lse != nullptr ? p.d_lse[stat] : 0.0f);
   }
 }
 
 // A device function so that each kernel family wraps it in a kernel of its own (a template kernel instantiated in
 // translation units built for different architectures would be registered twice); its grid: softmax_d_blocks.
-template <class T>
+// kZeroDqAccum: zero_dq_accum_of_row above.
+template <class T, bool kZeroDqAccum = false>
 __device__ __forceinline__ void softmax_d_rows(const AttentionBackwardParams& p) {
   constexpr int kWidth = 16 / static_cast<int>(sizeof(T));
   if (softmax_d_vector_width<T>(p) != kWidth) {
-    softmax_d_rows_of_width<T, 1, 1>(p);
+    softmax_d_rows_of_width<T, 1, 1, kZeroDqAccum>(p);
   } else if (softmax_d_rows_per_group<T>(p) == kRowsInFlight) {
-    softmax_d_rows_of_width<T, kWidth, kRowsInFlight>(p);
+    softmax_d_rows_of_width<T, kWidth, kRowsInFlight, kZeroDqAccum>(p);
   } else {
-    softmax_d_rows_of_width<T, kWidth, 1>(p);
+    softmax_d_rows_of_width<T, kWidth, 1, kZeroDqAccum>(p);
   }
 }
 

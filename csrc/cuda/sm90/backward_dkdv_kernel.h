@@ -255,6 +255,32 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   Tensor frag_kt = thr_dq.partition_fragment_B(
       local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(dq_slice, 0)));
 
+  // The query tiles that can see this consumer's 64 keys by position. In the others (above a causal diagonal: the
+  // first item of a causal key block, for the upper consumer) its S^T, dP^T, dV and dK terms are all zero: it skips
+  // their GEMMs and score arithmetic and hands the fused dQ a zero dS (the hidden-item path below). Only at d=64:
+  // at d=128 the two registers of the span alone took the transforms form from 12 to 60 bytes of spills (ptxas).
+  constexpr bool kSkipHiddenKeys = kHeadDim == 64;
+  const TileSpan seen_by =
+      kSkipHiddenKeys ? query_tiles_for_keys(kb.mask, kb.n0 + group * 64, 64, kBlockM) : TileSpan{0, INT_MAX};
+  // Fused dQ: stage an item's dQ tile once the writer's reduction of the previous item has read the last one.
+  // (Alternating: the previous item's consumer waited for the one before at that item's barrier, which this one
+  // passed, so the barrier is never two phases behind the parity waited for.)
+  // Both consumers' dS of an item stored. The hidden-item path meets the other consumer's main path here from an
+  // instruction of its own, which PTX allows only for the non-aligned barrier (named_barrier.h).
+  auto meet_at_ds_barrier = [] {
+    if constexpr (kSkipHiddenKeys) {
+      named_barrier_sync_unaligned(kDsStoredBarrier, Traits::kConsumerThreads);
+    } else {
+      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
+    }
+  };
+  auto stage_dq = [&](int visit, auto const& acc_dq) {
+    if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
+    stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, dq_slice, thread % 128);
+    fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
+    cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
+  };
+
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   // `visit` counts the items walked (dS buffers and dQ barrier phases alternate with it); `item` names the tile.
@@ -275,6 +301,31 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     }
     [[maybe_unused]] const bool read_mask_elements = mask_tile != nullptr;
     const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    if (kSkipHiddenKeys && (kb.m_block(item) < seen_by.begin || kb.m_block(item) >= seen_by.end)) {
+      // The stages are waited for before they go back, so that the releases land in their phases.
+      pipeline_qdo.consumer_wait(read);
+      if constexpr (!reads_boolean_mask(kForm)) pipeline_stats.consumer_wait(read);
+      if constexpr (kFusedDq) {
+        const int buffer = visit & 1;
+        Tensor ds_part = thr_sdp.partition_C(sDsT(_, _, buffer));
+        Tensor zeros = make_fragment_like<T>(ds_part);
+        fill(zeros, T(0));
+        copy(zeros, ds_part);
+        fence_stores_for_async_proxy();
+        meet_at_ds_barrier();
+        if (!Traits::kDqAlternating || (visit & 1) == group) {
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+          Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+          issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+          warpgroup_wait<0>();
+          stage_dq(visit, acc_dq);
+        }
+      }
+      pipeline_stats.consumer_release(read);
+      pipeline_qdo.consumer_release(read);
+      ++read;
+      continue;
+    }
     // Transforms and masked forms: ALiBi's slope is the item's query head's (it changes along a GQA group); loaded
     // before the GEMMs so that they hide its latency.
     float alibi_slope = 0.0f;
@@ -336,7 +387,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // staging overlaps dK. On the H200 this order ran the backward 3-9% faster (median 5.5%) than barrier, dV, dK,
       // dQ with the staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, 23rd session).
       issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
-      named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
+      meet_at_ds_barrier();
       if (!Traits::kDqAlternating || (visit & 1) == group) {
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
         Tensor frag_ds_item = frag_ds(_, _, _, buffer);
@@ -346,13 +397,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
         // feeds) are register operands of the WGMMAs just issued, so their issue waited for those loads.
         pipeline_stats.consumer_release(read);
         warpgroup_wait<1>();  // dV and dQ retired; dK runs on under the staging
-        // The staged tile is free again once the writer's reduction of the previous item has read it. (Alternating:
-        // the previous item's consumer waited for the one before at that item's barrier, which this one passed, so
-        // the barrier is never two phases behind the parity waited for.)
-        if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
-        stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, dq_slice, thread % 128);
-        fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
-        cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
+        stage_dq(visit, acc_dq);
       } else {  // the other consumer computes this item's dQ
         issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
         pipeline_stats.consumer_release(read);

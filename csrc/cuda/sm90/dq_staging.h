@@ -23,6 +23,7 @@
 #include "../../common/attention_params.h"
 #include "../../common/dq_workspace.h"
 #include "../common/bulk_reduce.h"
+#include "../common/dq_accum.h"  // kDqConvertThreads
 #include "../common/dq_workspace_tile.h"
 #include "../sm80/tensor_offsets.h"
 
@@ -85,20 +86,35 @@ __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int g
   }
 }
 
-// dq = dq_accum * softmax_scale from the tile-major workspace: CTAs stride over the chunks (query tiles), their
-// threads over a chunk's float4s, each one column group of one consumer thread (coalesced reads), mapped back to
-// (row, column) by partitioning an identity tensor with the consumers' TiledMmaDq and thread index, stored as two
-// pairs of adjacent columns. Rows past seqlen_q are skipped. A device function: the family's kernel wraps it.
+// dq = dq_accum * softmax_scale from the tile-major workspace. CTAs stride over the chunks (query tiles). A chunk
+// goes through a row-major shared tile: its float4s are read coalesced (one column group of one consumer thread
+// each, every load of a thread issued before the first is used), mapped back to (row, column) by partitioning an
+// identity tensor with the consumers' TiledMmaDq and thread index, scaled, converted and stored as pairs of adjacent
+// columns; then the rows in bounds go to dq in 16-byte pieces, contiguous along each row. Stored into dq straight
+// from the fragment order instead, a warp's stores were 4-byte pieces of 8 different rows, and the pass took twice
+// as long as cuDNN's conversion of the same bytes (H200, Nsight Compute, d=64/128 1k causal, 16k tokens: 105/125 us
+// against 58/58; staged, 59/51 us); the backward ran 0.2-10% faster so (benchmarks/NOTES.md, twenty-fifth session;
+// most at 1k-2k, where the pass is the larger share). The shared rows are
+// padded by 16 bytes: a warp's pair stores (8 rows x 4 pairs) then hit 32 different banks. A device function: the
+// family's kernel wraps it.
 template <class Traits>
 __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) {
   using namespace cute;
   using T = typename Traits::Element;
   struct alignas(2 * sizeof(T)) Pair { T first, second; };
-  constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols;
+  constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols, kHeadDim = Traits::kHeadDim;
   constexpr int kGroupsPerConsumer = kCols / kDqGroupColumns;
+  constexpr int kPieceElements = 16 / int(sizeof(T));  // elements of one 16-byte store into dq
+  constexpr int kTileStride = kHeadDim + kPieceElements;
+  constexpr int kVectorsPerThread = kHeadDim / kDqGroupColumns * kDqStagingThreads / kDqConvertThreads;
   static_assert(kRows == kDqWorkspaceTileRows);
   static_assert(dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kRows, kCols>());
-  const int vectors_per_chunk = static_cast<int>(p.head_dim / kDqGroupColumns) * kDqStagingThreads;
+  static_assert(kHeadDim / kDqGroupColumns * kDqStagingThreads % kDqConvertThreads == 0);
+  __shared__ alignas(16) T tile[kRows * kTileStride];
+  // head_dim <= kHeadDim, a multiple of 8 (dispatch.cu): whole column groups and whole 16-byte pieces.
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int vectors_per_chunk = head_dim / kDqGroupColumns * kDqStagingThreads;
+  const int pieces_per_row = head_dim / kPieceElements;
   const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
   const int64_t chunks = dq_workspace_chunks(p);
   const sm80::BshdShape q_shape = sm80::query_shape(p);
@@ -107,24 +123,38 @@ __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) 
     const int64_t m0 = chunk % tiles * kRows;
     const int64_t head = chunk / tiles % p.heads_q, batch = chunk / tiles / p.heads_q;
     const float4* accum4 = reinterpret_cast<const float4*>(p.dq_accum) + chunk * vectors_per_chunk;
-    T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
-    const int rows_in_bounds = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0));
-    for (int v = threadIdx.x; v < vectors_per_chunk; v += blockDim.x) {
+    float4 sums[kVectorsPerThread];
+    CUTE_UNROLL
+    for (int i = 0; i < kVectorsPerThread; ++i) {
+      const int v = threadIdx.x + i * kDqConvertThreads;
+      if (v < vectors_per_chunk) sums[i] = accum4[v];
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kVectorsPerThread; ++i) {
+      const int v = threadIdx.x + i * kDqConvertThreads;
+      if (v >= vectors_per_chunk) break;
       const DqChunkSlot slot = dq_chunk_slot<kGroupsPerConsumer>(v);
       Tensor coords =
           mma_dq.get_thread_slice(slot.thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-      const float4 sum = accum4[v];
-      const float values[kDqGroupFloats] = {sum.x, sum.y, sum.z, sum.w};
+      const float values[kDqGroupFloats] = {sums[i].x, sums[i].y, sums[i].z, sums[i].w};
       CUTE_UNROLL
       for (int k = 0; k < kDqGroupFloats; k += 2) {
         const int row = get<0>(coords(slot.first_value + k));
         const int col = slot.group * kCols + get<1>(coords(slot.first_value + k));
-        if (row >= rows_in_bounds) continue;
-        // Even column, even head_dim, 16-byte aligned dq (dispatch.cu): the pair is one aligned 4-byte store.
-        *reinterpret_cast<Pair*>(dq + row * q_shape.row_stride() + col) =
+        *reinterpret_cast<Pair*>(&tile[row * kTileStride + col]) =
             Pair{T(values[k] * p.softmax_scale), T(values[k + 1] * p.softmax_scale)};
       }
     }
+    __syncthreads();
+    T* dq = static_cast<T*>(p.dq) + q_shape.offset(batch, m0, head);
+    const int pieces = static_cast<int>(min(int64_t(kRows), p.seqlen_q - m0)) * pieces_per_row;  // rows in bounds
+    for (int piece = threadIdx.x; piece < pieces; piece += kDqConvertThreads) {
+      const int row = piece / pieces_per_row, col = (piece - row * pieces_per_row) * kPieceElements;
+      // 16-byte aligned: dq is, and so are its rows and heads (head_dim % 8 == 0).
+      *reinterpret_cast<uint4*>(dq + row * q_shape.row_stride() + col) =
+          *reinterpret_cast<const uint4*>(&tile[row * kTileStride + col]);
+    }
+    __syncthreads();  // the tile is read before the next chunk overwrites it
   }
 }
 

@@ -24,6 +24,8 @@
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ);
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
+#   kernel_times each kernel of one jitted backward and its duration (Nsight Compute), jax_flash and cuDNN, for the
+#                cases $KERNEL_TIMES_CASES ("head_dim:seqlen[:causal] ...", default d=64 and d=128 causal 1k)
 #   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_APP, NCU_SRC_KERNEL, NCU_SRC_SKIP,
 #                NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
@@ -192,6 +194,23 @@ ncu_src() {
   python3 "$repo/csrc/cuda/tests/ncu_src_summary.py" "$out/ncu_src_sass.csv" 40 | tee "$out/ncu_src_top.txt"
 }
 
+# Which kernels one jitted backward runs and how long each takes, jax_flash against cuDNN
+# (backward_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
+kernel_times() {
+  local case impl d s c
+  for case in ${KERNEL_TIMES_CASES:-64:1024:causal 128:1024:causal}; do
+    IFS=: read -r d s c <<<"$case"
+    for impl in jax_flash cudnn; do
+      echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
+      (cd /tmp && ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+        python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" --impl $impl --head-dim "$d" --seqlen "$s" \
+        ${c:+--causal} > "$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv") || return 1
+      python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" \
+        --summarize "$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv" || return 1
+    done
+  done
+}
+
 # Which kernels a feature forward through JAX runs and how long each takes (feature_forward_probe.py: plain,
 # padding mask as a closure constant and as an argument, softcap): the first 40 forward-kernel launches, warm-up
 # calls included (the kernel's template arguments name its form).
@@ -278,6 +297,7 @@ run_stage() {
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
     ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
     ncu_src) stage ncu_src 240 ncu_src ;;
+    kernel_times) stage kernel_times 180 kernel_times ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
     ncu_decode) stage ncu_decode 150 ncu_decode ;;
