@@ -18,6 +18,12 @@ constexpr int64_t dq_workspace_query_tiles(int64_t seqlen_q) {
   return (seqlen_q + kDqWorkspaceTileRows - 1) / kDqWorkspaceTileRows;
 }
 
+// Float offset of the tile of query tile m_block of (batch row `batch`, query head `head`).
+constexpr int64_t dq_workspace_tile_offset(int64_t batch, int64_t head, int64_t m_block, int64_t heads_q,
+                                           int64_t seqlen_q, int64_t head_dim) {
+  return ((batch * heads_q + head) * dq_workspace_query_tiles(seqlen_q) + m_block) * kDqWorkspaceTileRows * head_dim;
+}
+
 // Floats per (batch row, query head): the last axis of the declared shape.
 constexpr int64_t dq_workspace_per_head(int64_t seqlen_q, int64_t head_dim) {
   return dq_workspace_query_tiles(seqlen_q) * kDqWorkspaceTileRows * head_dim;

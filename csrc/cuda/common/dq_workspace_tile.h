@@ -21,8 +21,7 @@ __host__ __device__ inline int64_t dq_workspace_chunks(const AttentionBackwardPa
 // is and head_dim is a multiple of 4 (a chunk is then a multiple of 1 KiB).
 __device__ __forceinline__ float* dq_workspace_chunk(const AttentionBackwardParams& p, int64_t batch, int64_t head,
                                                      int64_t m_block) {
-  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  return p.dq_accum + ((batch * p.heads_q + head) * tiles + m_block) * kDqWorkspaceTileRows * p.head_dim;
+  return p.dq_accum + dq_workspace_tile_offset(batch, head, m_block, p.heads_q, p.seqlen_q, p.head_dim);
 }
 
 // One thread: a staged tile's first 64 * head_dim floats (the chunk's order) added to the item's chunk with ONE

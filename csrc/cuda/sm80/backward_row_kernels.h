@@ -52,10 +52,10 @@ JF_HOST_DEVICE int64_t softmax_d_blocks(const AttentionBackwardParams& p) {
   return ceil_div(p.batch * p.seqlen_q * p.heads_q, softmax_d_rows_per_block<T>(p));
 }
 
-// (batch, head, position) of BSHD row ((b * Sq) + i) * Hq + h. Two 32-bit divisions where
-// the rows fit (always, in practice): 64-bit ones are long software sequences, and with one warp per row they were
-// most of this pass's instructions (92 us at d=128 4k, 16k tokens and 16 heads under Nsight Compute; its 134 MB of
-// reads take ~33 us at 4 TB/s).
+// (batch, head, position) of BSHD row ((b * Sq) + i) * Hq + h. Two 32-bit divisions where the rows fit (always, in
+// practice): 64-bit ones are long software sequences, and with one warp per row they were most of this pass's
+// instructions (92 us at d=128 4k, 16k tokens and 16 heads under Nsight Compute; its 134 MB of reads take ~33 us at
+// 4 TB/s).
 struct RowCoord {
   int64_t batch, head, position;
 };
@@ -77,9 +77,8 @@ JF_HOST_DEVICE RowCoord softmax_d_row_coord(const AttentionBackwardParams& p, in
 // head_dim % 4 == 0 (the sm90 fused dQ's conditions).
 __device__ __forceinline__ void zero_dq_accum_of_row(const AttentionBackwardParams& p, const RowCoord& at, int lane,
                                                      int lanes) {
-  const int64_t tiles = dq_workspace_query_tiles(p.seqlen_q);
-  float* chunk = p.dq_accum + ((at.batch * p.heads_q + at.head) * tiles + at.position / kDqWorkspaceTileRows) *
-                                  kDqWorkspaceTileRows * p.head_dim;
+  float* chunk = p.dq_accum + dq_workspace_tile_offset(at.batch, at.head, at.position / kDqWorkspaceTileRows,
+                                                        p.heads_q, p.seqlen_q, p.head_dim);
   const int64_t begin = at.position % kDqWorkspaceTileRows * p.head_dim;
   const int64_t end = at.position == p.seqlen_q - 1 ? kDqWorkspaceTileRows * p.head_dim : begin + p.head_dim;
   for (int64_t f = begin + 4 * lane; f < end; f += 4 * lanes) {

@@ -57,9 +57,11 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   // The bulk reductions need 16-byte aligned chunks: XLA's buffers are; otherwise the separate pass.
   const bool use_fused_dq = has_fused_dq(kHeadDim) && p.dq_accum != nullptr && !p.deterministic &&
                             reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0;
-  if (std::string err = sm80::launch_softmax_d<Element>(
-          p, use_fused_dq ? softmax_d_kernel<Element, true> : softmax_d_kernel<Element, false>, stream, "sm90");
-      !err.empty()) {
+  auto softmax_d = softmax_d_kernel<Element, false>;
+  if constexpr (has_fused_dq(kHeadDim)) {  // only these head dims instantiate the zeroing form
+    if (use_fused_dq) softmax_d = softmax_d_kernel<Element, true>;
+  }
+  if (std::string err = sm80::launch_softmax_d<Element>(p, softmax_d, stream, "sm90"); !err.empty()) {
     return err;
   }
   const BackwardForm form = backward_form(p);

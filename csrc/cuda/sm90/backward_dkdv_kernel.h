@@ -262,9 +262,6 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   constexpr bool kSkipHiddenKeys = kHeadDim == 64;
   const TileSpan seen_by =
       kSkipHiddenKeys ? query_tiles_for_keys(kb.mask, kb.n0 + group * 64, 64, kBlockM) : TileSpan{0, INT_MAX};
-  // Fused dQ: stage an item's dQ tile once the writer's reduction of the previous item has read the last one.
-  // (Alternating: the previous item's consumer waited for the one before at that item's barrier, which this one
-  // passed, so the barrier is never two phases behind the parity waited for.)
   // Both consumers' dS of an item stored. The hidden-item path meets the other consumer's main path here from an
   // instruction of its own, which PTX allows only for the non-aligned barrier (named_barrier.h).
   auto meet_at_ds_barrier = [] {
@@ -274,6 +271,18 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
     }
   };
+  // Fused dQ: whether this consumer computes item `visit`'s dQ (its column slice, or at d=64 all of it in turn),
+  // issuing its GEMM from dS buffer `buffer`.
+  auto dq_turn = [&](int visit) { return !Traits::kDqAlternating || (visit & 1) == group; };
+  auto issue_dq = [&](int buffer) {
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
+    Tensor frag_ds_item = frag_ds(_, _, _, buffer);
+    issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+    return acc_dq;
+  };
+  // Fused dQ: stage an item's dQ tile once the writer's reduction of the previous item has read the last one.
+  // (Alternating: the previous item's consumer waited for the one before at that item's barrier, which this one
+  // passed, so the barrier is never two phases behind the parity waited for.)
   auto stage_dq = [&](int visit, auto const& acc_dq) {
     if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
     stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, dq_slice, thread % 128);
@@ -313,10 +322,8 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
         copy(zeros, ds_part);
         fence_stores_for_async_proxy();
         meet_at_ds_barrier();
-        if (!Traits::kDqAlternating || (visit & 1) == group) {
-          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
-          Tensor frag_ds_item = frag_ds(_, _, _, buffer);
-          issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+        if (dq_turn(visit)) {
+          auto acc_dq = issue_dq(buffer);
           warpgroup_wait<0>();
           stage_dq(visit, acc_dq);
         }
@@ -388,10 +395,8 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // dQ with the staging after all three (d=64/128, 1k-16k, causal and not; benchmarks/NOTES.md, 23rd session).
       issue_wgmma<false>(mma_dkv, probs_operand, frag_dot(_, _, _, stage), acc_dv);
       meet_at_ds_barrier();
-      if (!Traits::kDqAlternating || (visit & 1) == group) {
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqCols>>{});
-        Tensor frag_ds_item = frag_ds(_, _, _, buffer);
-        issue_wgmma<true>(mma_dq, frag_ds_item, frag_kt, acc_dq);
+      if (dq_turn(visit)) {
+        auto acc_dq = issue_dq(buffer);
         issue_wgmma<false>(mma_dkv, score_grads_operand, frag_qt(_, _, _, stage), acc_dk);
         // The row-stats stage goes back only now: P^T and dS^T (which every lse / softmax_d value loaded from it
         // feeds) are register operands of the WGMMAs just issued, so their issue waited for those loads.

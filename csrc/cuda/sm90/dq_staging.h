@@ -94,9 +94,8 @@ __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int g
 // from the fragment order instead, a warp's stores were 4-byte pieces of 8 different rows, and the pass took twice
 // as long as cuDNN's conversion of the same bytes (H200, Nsight Compute, d=64/128 1k causal, 16k tokens: 105/125 us
 // against 58/58; staged, 59/51 us); the backward ran 0.2-10% faster so (benchmarks/NOTES.md, twenty-fifth session;
-// most at 1k-2k, where the pass is the larger share). The shared rows are
-// padded by 16 bytes: a warp's pair stores (8 rows x 4 pairs) then hit 32 different banks. A device function: the
-// family's kernel wraps it.
+// most at 1k-2k, where the pass is the larger share). The shared rows are padded by 16 bytes: a warp's pair stores
+// (8 rows x 4 pairs) then hit 32 different banks. A device function: the family's kernel wraps it.
 template <class Traits>
 __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) {
   using namespace cute;

@@ -4,42 +4,40 @@ Run under Nsight Compute with a single cheap metric and neither cache flushing n
 kernel's duration is close to its time in a normal run:
 
   ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
-      python3 csrc/cuda/tests/backward_kernel_times.py --impl jax_flash --head-dim 64 --seqlen 1024 --causal > t.csv
+      python3 csrc/cuda/tests/backward_kernel_times.py --impl jax_flash_sm90 --head-dim 64 --seqlen 1024 \
+      --causal > t.csv
   python3 csrc/cuda/tests/backward_kernel_times.py --summarize t.csv
 
 The program calls the jitted backward (the vjp of attention, as benchmarks/bench_attention.py times it, same
 shapes: 16k tokens per batch, heads * head_dim = 2048, bf16) four times. --summarize takes the kernels of the last
 call (the tail that the launches before it repeat: the first call also compiles and autotunes) and prints each
-kernel's duration and share, and their sum next to the backward's FLOPs.
+kernel's duration and share, and their sum.
 """
 
 import argparse
 import csv
 import io
+import os
 import sys
 
-TOKENS, MODEL_WIDTH = 16384, 2048
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks"))
+from bench_attention import MODEL_WIDTH, TOKENS, attention_fn, kernel_families  # noqa: E402
+
+IMPLEMENTATIONS = ("jax_flash_sm90", "cudnn")  # bench_attention.py's names
 
 
-def run(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
+def run(implementation: str, head_dim: int, seqlen: int, causal: bool) -> None:
     import jax
     import jax.numpy as jnp
-
-    import jax_flash
 
     batch, heads = TOKENS // seqlen, MODEL_WIDTH // head_dim
     keys = jax.random.split(jax.random.key(1), 4)
     q, k, v, d_o = (jax.random.normal(key, (batch, seqlen, heads, head_dim), jnp.bfloat16) for key in keys)
-    if impl == "jax_flash":
-        def attend(q, k, v):
-            return jax_flash.attention(q, k, v, causal=causal)
-    else:
-        def attend(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    _, vjp = jax.vjp(attend, q, k, v)
-    backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
-    for _ in range(4):
-        jax.block_until_ready(backward(vjp, d_o))
+    with kernel_families(implementation):
+        _, vjp = jax.vjp(attention_fn(implementation, causal), q, k, v)
+        backward = jax.jit(lambda vjp_fn, g: vjp_fn(g))
+        for _ in range(4):
+            jax.block_until_ready(backward(vjp, d_o))
 
 
 def summarize(path: str) -> None:
@@ -68,7 +66,7 @@ def summarize(path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", choices=("jax_flash", "cudnn"), default="jax_flash")
+    parser.add_argument("--impl", choices=IMPLEMENTATIONS, default=IMPLEMENTATIONS[0])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--seqlen", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")

@@ -197,16 +197,15 @@ ncu_src() {
 # Which kernels one jitted backward runs and how long each takes, jax_flash against cuDNN
 # (backward_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
 kernel_times() {
-  local case impl d s c
+  local case impl d s c csv tool="$repo/csrc/cuda/tests/backward_kernel_times.py"
   for case in ${KERNEL_TIMES_CASES:-64:1024:causal 128:1024:causal}; do
     IFS=: read -r d s c <<<"$case"
-    for impl in jax_flash cudnn; do
+    for impl in jax_flash_sm90 cudnn; do
       echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
+      csv="$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv"
       (cd /tmp && ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
-        python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" --impl $impl --head-dim "$d" --seqlen "$s" \
-        ${c:+--causal} > "$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv") || return 1
-      python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" \
-        --summarize "$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv" || return 1
+        python3 "$tool" --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} > "$csv") || return 1
+      python3 "$tool" --summarize "$csv" || return 1
     done
   done
 }
