@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -67,8 +68,23 @@ inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t 
 // looping over key blocks, so that a CTA's next block's K/V and first Q/dO tiles load under its current block's
 // last items and epilogue instead of after a new CTA's start; "0", unset or "auto" one CTA per key block.
 // NOT YET MEASURED on a GPU (branch persistent-dkdv): auto stays off until an A/B says otherwise.
-inline std::string dkdv_persistent_switch(bool* persistent) {
-  return on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", false, persistent);
+// JAX_FLASH_SM90_BWD_PERSISTENT_CTAS=N (tests) caps that grid at N CTAs, so that small problems take several key
+// blocks per CTA too.
+inline std::string dkdv_persistent_switch(bool* persistent, int64_t* max_ctas) {
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", false, persistent); !err.empty()) {
+    return err;
+  }
+  *max_ctas = 0;
+  const char* cap = std::getenv("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS");
+  if (cap != nullptr && *cap != '\0') {
+    char* end = nullptr;
+    const long long n = std::strtoll(cap, &end, 10);
+    if (*end != '\0' || n < 1) {
+      return std::string("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS must be a positive integer, not '") + cap + "'";
+    }
+    *max_ctas = n;
+  }
+  return {};
 }
 
 // The dK/dV kernel of traits Traits (one CTA per key tile and KV head, or the persistent grid above).
@@ -92,12 +108,14 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   if (grid == 0) return {};
   args.key_blocks = grid;
   bool persistent = false;
-  if (std::string err = dkdv_persistent_switch(&persistent); !err.empty()) return err;
+  int64_t max_ctas = 0;
+  if (std::string err = dkdv_persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
   if (dkdv_runs_persistent<Traits, kForm>() && persistent) {
     int64_t ctas = 0;
     if (std::string err = sm80::resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); !err.empty()) {
       return "sm90 backward: sizing the persistent dK/dV grid: " + err;
     }
+    if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
     grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
