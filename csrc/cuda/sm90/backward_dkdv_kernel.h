@@ -45,6 +45,7 @@
 #include "dq_staging.h"
 #include "fragments.h"
 #include "masked_scores.h"
+#include "persistent_pass.h"
 #include "transformed_scores.h"
 #include "transposed_scores.h"
 
@@ -458,7 +459,10 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   const int rows_begin = group * 64;
   store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
-  cutlass::arch::ClusterBarrier::arrive(&smem.kv_empty[kv.buffer]);  // this thread's reads of the buffer are done
+  // This thread's accesses to the buffer are done; its generic-proxy stores (the dK/dV staging) are ordered before
+  // the TMA (async proxy) writes of the block that reuses it.
+  fence_stores_for_async_proxy();
+  cutlass::arch::ClusterBarrier::arrive(&smem.kv_empty[kv.buffer]);
 }
 
 // Whether a form's CTAs may take several key blocks (the persistent grid): every role then carries its pipeline
@@ -471,8 +475,8 @@ constexpr bool dkdv_runs_persistent() {
   return !Traits::kSplitHeadDim && !Traits::kTf32 && !reads_boolean_mask(kForm) && Traits::kKvBuffers == 2;
 }
 
-// CTA blockIdx.x takes key blocks blockIdx.x, + gridDim.x, ... of args.key_blocks (the launch gives one CTA per block
-// unless dkdv_runs_persistent; then possibly one per SM). Each role walks the same blocks in the same order.
+// CTA blockIdx.x takes key blocks of args.key_blocks pass by pass (pass_tile; the launch gives one CTA per block
+// unless dkdv_runs_persistent, then possibly one per SM). Each role walks the same blocks in the same order.
 template <class Traits, BackwardForm kForm, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
@@ -522,11 +526,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The CTA's key blocks, each role walking them in the same order. A block that no query sees (by position, or in
   // the masked form by the mask summary) gets dK = dV = 0 from the consumers and takes no K/V buffer (`fill` counts
   // the others).
-  // Elsewhere the loops below run once (the bounds make that visible to the compiler), for blockIdx.x.
+  // Pass by pass as the persistent forward (persistent_pass.h pass_tile: mirrored on odd passes, so that a CTA that
+  // drew a long causal block draws a short one next; a plain stride would hand the same CTAs the longest blocks
+  // pass after pass whenever the blocks per slice divide the grid). Elsewhere the loops below run once (the bounds
+  // make that visible to the compiler), for block blockIdx.x.
   constexpr bool kPersistent = dkdv_runs_persistent<Traits, kForm>();
-  const int64_t first = blockIdx.x;
-  const int64_t end = kPersistent ? args.key_blocks : first + 1;
-  const int64_t stride = kPersistent ? int64_t(gridDim.x) : 1;
+  const int64_t ctas = kPersistent ? int64_t(gridDim.x) : 1;
+  const int64_t blocks = kPersistent ? args.key_blocks : int64_t(blockIdx.x) + 1;
+  auto block_of_pass = [&](int64_t pass) -> int64_t {
+    return kPersistent ? pass_tile(uint32_t(pass), blockIdx.x, gridDim.x, uint32_t(blocks)) : int64_t(blockIdx.x);
+  };
   auto key_block = [&](int64_t linear, bool* empty) {
     const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices, linear);
     *empty = next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items;
@@ -537,25 +546,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x == 0) {
       typename Traits::PipelineState write = cutlass::make_producer_start_state<Pipeline>();
       int fill = 0;
-      for (int64_t linear = first; linear < end; linear += stride) {
+      for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
         bool empty;
-        const KeyBlock kb = key_block(linear, &empty);
+        const KeyBlock kb = key_block(block_of_pass(pass), &empty);
         if (empty) continue;
         produce_dkdv_tiles<Traits, kForm>(args, kb, smem, pipeline_qdo, write, kv_buffer_of<Traits>(fill++));
       }
     } else if (warp == 1) {
       typename Traits::PipelineState write = cutlass::make_producer_start_state<StatsPipeline>();
-      for (int64_t linear = first; linear < end; linear += stride) {
+      for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
         bool empty;
-        const KeyBlock kb = key_block(linear, &empty);
+        const KeyBlock kb = key_block(block_of_pass(pass), &empty);
         if (!empty) produce_row_stats<Traits, kForm>(p, kb, smem, pipeline_stats, write);
       }
     } else if constexpr (kFusedDq) {
       if (warp == 2) {
         int visit = 0;
-        for (int64_t linear = first; linear < end; linear += stride) {
+        for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
           bool empty;
-          const KeyBlock kb = key_block(linear, &empty);
+          const KeyBlock kb = key_block(block_of_pass(pass), &empty);
           if (!empty) write_dq_tiles<Traits, kForm>(p, kb, smem, visit);
         }
         // The reductions land before the CTA (and its shared memory) goes away.
@@ -566,9 +575,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     typename Traits::PipelineState read;
     int visit = 0, fill = 0;
-    for (int64_t linear = first; linear < end; linear += stride) {
+    for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
       bool empty;
-      const KeyBlock kb = key_block(linear, &empty);
+      const KeyBlock kb = key_block(block_of_pass(pass), &empty);
       if (empty) {
         using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
         const int thread = threadIdx.x - 128;

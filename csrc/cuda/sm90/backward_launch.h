@@ -10,7 +10,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -64,7 +63,8 @@ inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t 
 }
 
 // JAX_FLASH_SM90_BWD_PERSISTENT (read at every call; forward_launch.h on_off_auto_switch): "1" runs the dK/dV
-// kernels that can (dkdv_runs_persistent: not the masked form, d=256 or TF32) on a persistent grid, one CTA per SM
+// kernels that can (dkdv_runs_persistent: d=64 and d=96, not the masked form; not d=128, 192, 256 or TF32) on a
+// persistent grid, one CTA per SM
 // looping over key blocks, so that a CTA's next block's K/V and first Q/dO tiles load under its current block's
 // last items and epilogue instead of after a new CTA's start; "0", unset or "auto" one CTA per key block.
 // NOT YET MEASURED on a GPU (branch persistent-dkdv): auto stays off until an A/B says otherwise.
@@ -74,17 +74,7 @@ inline std::string dkdv_persistent_switch(bool* persistent, int64_t* max_ctas) {
   if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", false, persistent); !err.empty()) {
     return err;
   }
-  *max_ctas = 0;
-  const char* cap = std::getenv("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS");
-  if (cap != nullptr && *cap != '\0') {
-    char* end = nullptr;
-    const long long n = std::strtoll(cap, &end, 10);
-    if (*end != '\0' || n < 1) {
-      return std::string("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS must be a positive integer, not '") + cap + "'";
-    }
-    *max_ctas = n;
-  }
-  return {};
+  return cta_cap_switch("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", max_ctas);
 }
 
 // The dK/dV kernel of traits Traits (one CTA per key tile and KV head, or the persistent grid above).
@@ -109,8 +99,10 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   args.key_blocks = grid;
   bool persistent = false;
   int64_t max_ctas = 0;
-  if (std::string err = dkdv_persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
-  if (dkdv_runs_persistent<Traits, kForm>() && persistent) {
+  if constexpr (dkdv_runs_persistent<Traits, kForm>()) {
+    if (std::string err = dkdv_persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+  }
+  if (persistent) {
     int64_t ctas = 0;
     if (std::string err = sm80::resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); !err.empty()) {
       return "sm90 backward: sizing the persistent dK/dV grid: " + err;

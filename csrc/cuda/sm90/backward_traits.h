@@ -161,7 +161,8 @@ struct DkdvTraits {
 
   // K and V buffers (kKvBuffers of each): two where shared memory allows (d=64, d=96), so that a CTA of the
   // persistent grid loads its next key block's K and V while it still works on the current one, whose buffers then
-  // stage its dK and dV; one at d=128, where the producer loads them once the epilogue has released the buffers.
+  // stage its dK and dV; one at d=128, which runs one key block per CTA (backward_dkdv_kernel.h
+  // dkdv_runs_persistent).
   template <int kBuffers>
   struct Storage {
     cute::array_aligned<Element, kBuffers * cosize_v<SmemLayoutKV>, 1024> k;
