@@ -489,6 +489,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
+  constexpr bool kPersistent = dkdv_runs_persistent<Traits, kForm>();
+  // Off the persistent grid the CTA's one key block is located once, first, and if no query sees its keys (by
+  // position, or in the masked form by the mask summary) every thread stores its share of dK = dV = 0 and leaves.
+  KeyBlock single{};
+  if constexpr (!kPersistent) {
+    single = locate_key_block<Traits>(p, args.band_slices, blockIdx.x);
+    if (next_item<Traits, kForm>(single, item_mask_blocks<Traits, kForm>(p, single), 0) >= single.items) {
+      using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
+      store_key_rows<Traits, NoStage>(p, single, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+      store_key_rows<Traits, NoStage>(p, single, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+      return;
+    }
+  }
 
   const int warp_group = threadIdx.x / 128;
   const int warp = threadIdx.x / 32;
@@ -523,23 +536,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   StatsPipeline pipeline_stats(smem.pipeline_stats, stats_params);
   __syncthreads();  // barrier initialisation visible to every thread before any use
 
-  // The CTA's key blocks, each role walking them in the same order. A block that no query sees (by position, or in
-  // the masked form by the mask summary) gets dK = dV = 0 from the consumers and takes no K/V buffer (`fill` counts
-  // the others).
-  // Pass by pass as the persistent forward (persistent_pass.h pass_tile: mirrored on odd passes, so that a CTA that
-  // drew a long causal block draws a short one next; a plain stride would hand the same CTAs the longest blocks
-  // pass after pass whenever the blocks per slice divide the grid). Elsewhere the loops below run once (the bounds
-  // make that visible to the compiler), for block blockIdx.x.
-  constexpr bool kPersistent = dkdv_runs_persistent<Traits, kForm>();
+  // The CTA's key blocks, each role walking them in the same order, pass by pass as the persistent forward
+  // (persistent_pass.h pass_tile: mirrored on odd passes, so that a CTA that drew a long causal block draws a short
+  // one next; a plain stride would hand the same CTAs the longest blocks pass after pass whenever the blocks per
+  // slice divide the grid). On the persistent grid an empty block gets dK = dV = 0 from the consumers and takes no
+  // K/V buffer (`fill` counts the others). Elsewhere the loops below run once (the bounds make that visible to the
+  // compiler), for the block located above.
   const int64_t ctas = kPersistent ? int64_t(gridDim.x) : 1;
   const int64_t blocks = kPersistent ? args.key_blocks : int64_t(blockIdx.x) + 1;
   auto block_of_pass = [&](int64_t pass) -> int64_t {
     return kPersistent ? pass_tile(uint32_t(pass), blockIdx.x, gridDim.x, uint32_t(blocks)) : int64_t(blockIdx.x);
   };
-  auto key_block = [&](int64_t linear, bool* empty) {
-    const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices, linear);
-    *empty = next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items;
-    return kb;
+  auto key_block = [&](int64_t linear, bool* empty) -> KeyBlock {
+    if constexpr (!kPersistent) {
+      *empty = false;
+      return single;
+    } else {
+      const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices, linear);
+      *empty = next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items;
+      return kb;
+    }
   };
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();

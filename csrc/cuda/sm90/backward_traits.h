@@ -98,12 +98,8 @@ struct DkdvTraits {
   static constexpr int kConsumerGroups = kBlockN / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // The producer keeps 40 registers, not the forward's 24: its second warp copies row statistics and spilled at 24, and its
-  // threads carry their pipeline state across key blocks on the persistent grid (108 bytes of spills at 32).
-  static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 232 : 160;
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 16 == 0);
-  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along keys
   // S^T = K Q^T and dP^T = V dO^T: both operands K-major in smem. Transposed so that P^T and dS^T come out of the
@@ -186,6 +182,11 @@ struct DkdvTraits {
   };
   static constexpr int kKvBuffers = sizeof(Storage<2>) <= 227 * 1024 ? 2 : 1;
   using SharedStorage = Storage<kKvBuffers>;
+  // The producer keeps 32 registers, not the forward's 24: its second warp copies row statistics and spilled at 24;
+  // 40 where the kernel may run persistent (two K/V buffers), its threads carrying their pipeline state across key
+  // blocks (108 bytes of spills at 32, 40 at 40; compile of d=64).
+  static constexpr int kProducerRegisters = kKvBuffers == 2 ? 40 : 32;
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -238,7 +239,7 @@ struct DkdvSplitTraits {
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
   // As DkdvTraits: 32 for the producer's row-statistics warp, so 232 (not 240) is what the consumers can take.
-  static constexpr int kProducerRegisters = 40;  // as DkdvTraits
+  static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
   static constexpr int kQueryCols = kBlockM / kConsumerGroups;  // S^T / dP^T columns of one warpgroup
   static constexpr int kDkvCols = kHeadDim / kConsumerGroups;   // dK / dV columns of one warpgroup
@@ -314,7 +315,7 @@ struct Tf32DkdvTraits {
   static constexpr int kConsumerGroups = kBlockN / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  static constexpr int kProducerRegisters = 40;  // as DkdvTraits
+  static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && kBlockN == 128);
   static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
