@@ -100,14 +100,11 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   auto tma_k = args.tma_k.get_slice(0);
   auto tma_v = args.tma_v.get_slice(0);
 
-  auto load_kv = [&] {
-    if (kv.reuse) cutlass::arch::ClusterBarrier::wait(&smem.kv_empty[kv.buffer], kv.empty_phase);
-    uint64_t& full = smem.kv_full[kv.buffer];
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full, 2 * Traits::kKVBytes);
-    copy(args.tma_k.with(full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-    copy(args.tma_v.with(full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-  };
-  load_kv();
+  if (kv.reuse) cutlass::arch::ClusterBarrier::wait(&smem.kv_empty[kv.buffer], kv.empty_phase);
+  uint64_t& kv_full = smem.kv_full[kv.buffer];
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&kv_full, 2 * Traits::kKVBytes);
+  copy(args.tma_k.with(kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(args.tma_v.with(kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 
   Tensor mQ = args.tma_q.get_tma_tensor(q_shape);
   Tensor mdO = args.tma_do.get_tma_tensor(q_shape);
