@@ -387,6 +387,49 @@ def test_backward_sm90_causal_bands(head_dim, band_mib, dq_mode, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs("causal", case))
 
 
+@pytest.mark.parametrize("dq_mode", ("fused", "deterministic"))
+@pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments", "softcap",
+                                     "alibi_batched_causal"))
+@pytest.mark.parametrize("head_dim", (64, 96, 40))
+def test_backward_sm90_persistent_grid(feature, head_dim, dq_mode, monkeypatch):
+    """JAX_FLASH_SM90_BWD_PERSISTENT=1: the dK/dV kernels with two K/V buffers (d=64, d=96; 40 on the d=64 kernel)
+    loop over key blocks, the pipelines, item counts and K/V buffers carrying over from block to block. Capped at
+    1, 2, 3 and 7 CTAs (so that each takes many blocks, of different item counts when causal or windowed) and
+    uncapped: dK and dV are bit-identical to one CTA per block (a block's sums do not depend on the CTA that runs
+    it), and so is dQ when deterministic (its own pass); fused dQ (bulk float adds in any order) within the bound.
+    Any other switch value is an error naming the variable."""
+    use_backward_kernel(monkeypatch, "sm90", head_dim, feature)
+    deterministic = dq_mode == "deterministic"
+    case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
+                seed=head_dim + len(feature) + 7)
+    kwargs = feature_kwargs(feature, case)
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32).astype(case.dtype)
+    on_gpu = _on(GPUS[0], q, k, v, d_o)
+    outputs = {}
+    for persistent, ctas in (("0", ""), ("1", "1"), ("1", "2"), ("1", "3"), ("1", "7"), ("1", "")):
+        monkeypatch.setenv("JAX_FLASH_SM90_BWD_PERSISTENT", persistent)
+        monkeypatch.setenv("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", ctas)
+        _poison_gpu_memory()
+        outputs[persistent, ctas] = [np.asarray(g.astype(jnp.float32))
+                                     for g in grads(*on_gpu, deterministic=deterministic, **_gpu_kwargs(kwargs))]
+    baseline = outputs["0", ""]
+    assert all(np.isfinite(g).all() for g in baseline)
+    for key, (dq, dk, dv) in outputs.items():
+        np.testing.assert_array_equal(dk, baseline[1], err_msg=f"dk {key}")
+        np.testing.assert_array_equal(dv, baseline[2], err_msg=f"dv {key}")
+        if deterministic:
+            np.testing.assert_array_equal(dq, baseline[0], err_msg=f"dq {key}")
+    monkeypatch.setenv("JAX_FLASH_SM90_BWD_PERSISTENT", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", "3")
+    check_gradients_on_gpu(case, deterministic=deterministic, **kwargs)
+    for variable, bad in (("JAX_FLASH_SM90_BWD_PERSISTENT", "yes"), ("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", "0")):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(Exception, match=variable):
+            jax.block_until_ready(grads(*on_gpu, deterministic=deterministic, **_gpu_kwargs(kwargs)))
+        monkeypatch.setenv(variable, "1" if variable == "JAX_FLASH_SM90_BWD_PERSISTENT" else "3")
+
+
 def test_backward_sm90_causal_band_switch_rejects_bad_values(monkeypatch):
     use_backward_kernel(monkeypatch, "sm90", 64, "causal")
     monkeypatch.setenv("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB", "wide")

@@ -45,6 +45,7 @@
 #include "dq_staging.h"
 #include "fragments.h"
 #include "masked_scores.h"
+#include "persistent_pass.h"
 #include "transformed_scores.h"
 #include "transposed_scores.h"
 
@@ -55,15 +56,36 @@ namespace jax_flash::cuda::sm90 {
 constexpr int kDkdvEpilogueBarrier = 1;
 constexpr int kDsStoredBarrier = 3;
 
-// Producer thread: K and V once, then Q and dO of every item.
+// The K/V buffer of a CTA's key block: its `fill`-th block with any item uses buffer fill % kKvBuffers, that
+// buffer's (fill / kKvBuffers)-th load; from the second use on, the producer first waits for the consumers'
+// epilogue of the block before (kv_empty).
+struct KvBuffer {
+  int buffer;
+  int full_phase;   // parity of kv_full[buffer] the consumers wait for
+  bool reuse;
+  int empty_phase;  // parity of kv_empty[buffer] the producer waits for when reuse
+};
+template <class Traits>
+__device__ __forceinline__ KvBuffer kv_buffer_of(int fill) {
+  const int use = fill / Traits::kKvBuffers;
+  return {fill % Traits::kKvBuffers, use & 1, use > 0, (use - 1) & 1};
+}
+template <class Traits, class Array>
+__device__ __forceinline__ auto* kv_buffer_data(Array& buffers, int buffer) {
+  return buffers.data() + buffer * cute::cosize_v<typename Traits::SmemLayoutKV>;
+}
+
+// Producer thread, per key block: K and V into buffer kv.buffer (on the persistent grid, once the consumers have
+// released it), then Q and dO of every item (`write` runs on across the CTA's key blocks).
 template <class Traits, BackwardForm kForm>
 __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBlock& kb,
-                                   typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline) {
+                                   typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+                                   typename Traits::PipelineState& write, const KvBuffer& kv) {
   using namespace cute;
   const AttentionBackwardParams& p = args.p;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv.buffer)), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.v, kv.buffer)), typename Traits::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
   const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
@@ -78,15 +100,16 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   auto tma_k = args.tma_k.get_slice(0);
   auto tma_v = args.tma_v.get_slice(0);
 
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
-  copy(args.tma_k.with(smem.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-  copy(args.tma_v.with(smem.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+  if (kv.reuse) cutlass::arch::ClusterBarrier::wait(&smem.kv_empty[kv.buffer], kv.empty_phase);
+  uint64_t& kv_full = smem.kv_full[kv.buffer];
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&kv_full, 2 * Traits::kKVBytes);
+  copy(args.tma_k.with(kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(args.tma_v.with(kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 
   Tensor mQ = args.tma_q.get_tma_tensor(q_shape);
   Tensor mdO = args.tma_do.get_tma_tensor(q_shape);
   Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_D, stage)
   Tensor tdOsdO = tma_do.partition_D(sdO);
-  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   // Items in order: query heads of the group, then query tiles (KeyBlock::head / m_block).
   auto q_tiles = [&](int64_t head) {  // (TMA, TMA_M, TMA_D, m)
     return tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -120,14 +143,15 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   }
 }
 
-// Producer warp 1: lse (as log2, +inf for rows without a visible key) and softmax_d of every item's rows; in the
+// Producer warp 1, per key block (`write` runs on across them): lse (as log2, +inf for rows without a visible key)
+// and softmax_d of every item's rows; in the
 // masked form also the item itself and its mask tile, and after the last item one more stage whose item is -1
 // (the end), so that the consumers need not walk the mask summary (see consume_query_tiles).
 template <class Traits, BackwardForm kForm>
 __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlock& kb,
-                                  typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline) {
+                                  typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline,
+                                  typename Traits::PipelineState& write) {
   const int lane = threadIdx.x % 32;
-  typename Traits::PipelineState write = cutlass::make_producer_start_state<typename Traits::StatsPipeline>();
   // Lean on registers: this warp runs under the producer's setmaxnreg budget.
   // Fills a stage with the rows of query tile m_block (head's lse and softmax_d); `also` writes more into it.
   auto fill = [&](const float* lse, const float* row_d, int m_block, auto also) {
@@ -179,13 +203,12 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
 
 // Producer warp 2 (fused dQ), lane 0 issuing: each item's staged dQ tile into its dq_accum chunk (one bulk
 // reduction), then the tile back to the consumers once the reduction has read it. `visit` counts the items walked
-// (the barrier phases), `item` names the tile.
+// (the barrier phases) over the CTA's key blocks, `item` names the tile.
 template <class Traits, BackwardForm kForm>
 __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
-                               typename Traits::SharedStorage& smem) {
+                               typename Traits::SharedStorage& smem, int& visit) {
   const int lane = threadIdx.x % 32;
   const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
-  int visit = 0;
   for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
        item = next_item<Traits, kForm>(kb, blocks, item + 1), ++visit) {
     cutlass::arch::ClusterBarrier::wait(&smem.dq_full, visit & 1);
@@ -196,24 +219,26 @@ __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock&
     }
     __syncwarp();
   }
-  if (lane == 0) bulk_wait_all();  // the reductions land before the CTA (and its shared memory) goes away
 }
 
-// Consumer warpgroup `group`: dK and dV of its 64 keys over every item (and with kFusedDq, its slice of every
-// item's dQ), then the epilogue.
+// Consumer warpgroup `group`, per key block: dK and dV of its 64 keys over every item (and with kFusedDq, its slice
+// of every item's dQ), then the epilogue, after which it releases the block's K/V buffer. `read` (the Q/dO and
+// row-stats stages) and `visit` (the items walked: dS buffers and dQ barrier phases) run on across the CTA's blocks.
 // Force-inlined: as a called function, ptxas may serialise its WGMMAs (C7510; see forward_kernel.h).
 template <class Traits, BackwardForm kForm, bool kFusedDq>
 __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParams& p, const KeyBlock& kb,
                                                    typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline_qdo,
-                                                   typename Traits::StatsPipeline& pipeline_stats, int group) {
+                                                   typename Traits::StatsPipeline& pipeline_stats, int group,
+                                                   typename Traits::PipelineState& read, int& visit,
+                                                   const KvBuffer& kv) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int thread = threadIdx.x - 128;  // among all consumer threads
 
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv.buffer)), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.v, kv.buffer)), typename Traits::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
@@ -243,7 +268,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // this consumer's column slice of K^T as the B operand.
   Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
   Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDsT{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sKt = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv.buffer)), typename Traits::SmemLayoutKt{});
   constexpr int kDqCols = Traits::kDqCols;
   typename Traits::TiledMmaDq mma_dq;
   static_assert(!kFusedDq ||
@@ -283,24 +308,24 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // Fused dQ: stage an item's dQ tile once the writer's reduction of the previous item has read the last one.
   // (Alternating: the previous item's consumer waited for the one before at that item's barrier, which this one
   // passed, so the barrier is never two phases behind the parity waited for.)
-  auto stage_dq = [&](int visit, auto const& acc_dq) {
-    if (visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (visit - 1) & 1);
+  auto stage_dq = [&](int at_visit, auto const& acc_dq) {
+    if (at_visit > 0) cutlass::arch::ClusterBarrier::wait(&smem.dq_empty, (at_visit - 1) & 1);
     stage_dq_tile<Traits::kDqGroupsPerConsumer>(smem.dq, acc_dq, dq_slice, thread % 128);
     fence_stores_for_async_proxy();  // generic-proxy stores before the bulk copies (async proxy) read
     cutlass::arch::ClusterBarrier::arrive(&smem.dq_full);
   };
 
-  cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
-  typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
-  // `visit` counts the items walked (dS buffers and dQ barrier phases alternate with it); `item` names the tile.
+  cutlass::arch::ClusterBarrier::wait(&smem.kv_full[kv.buffer], kv.full_phase);
+  // Q/dO and their row stats advance in lock step (`read`). `visit` counts the items walked over the CTA's key
+  // blocks (dS buffers and dQ barrier phases alternate with it); `walked` those of this block; `item` names the tile.
   // Masked form: the consumers take each item's index, and its mask tile where it reads mask elements, from its
   // row-stats stage, until the stage that marks the end (produce_row_stats walks the mask summary). Walking it here,
   // in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and counting the items up front
   // would cost one dependent summary load per item before the first GEMM.
   const int visits = reads_boolean_mask(kForm) ? INT_MAX : kb.items;
-  for (int visit = 0; visit < visits; ++visit) {
+  for (int walked = 0; walked < visits; ++walked, ++visit) {
     const int stage = read.index();
-    int item = visit;
+    int item = walked;
     [[maybe_unused]] const bool* mask_tile = nullptr;
     if constexpr (reads_boolean_mask(kForm)) {
       pipeline_stats.consumer_wait(read);
@@ -436,8 +461,24 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   const int rows_begin = group * 64;
   store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);
   store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
+  // This thread's accesses to the buffer are done; its generic-proxy stores (the dK/dV staging) are ordered before
+  // the TMA (async proxy) writes of the block that reuses it.
+  fence_stores_for_async_proxy();
+  cutlass::arch::ClusterBarrier::arrive(&smem.kv_empty[kv.buffer]);
 }
 
+// Whether a form's CTAs may take several key blocks (the persistent grid): every role then carries its pipeline
+// state and item count from one block to the next, and the next block's K and V load into the second K/V buffer
+// while the current one runs (so only where two fit: d=64, d=96). Not the masked form (its consumers stop at an end-mark stage of
+// the row-stats pipeline that has no Q/dO stage, which would put the two pipelines out of step for the next
+// block), nor the split-head-dim and TF32 consumers (written for one block per CTA).
+template <class Traits, BackwardForm kForm>
+constexpr bool dkdv_runs_persistent() {
+  return !Traits::kSplitHeadDim && !Traits::kTf32 && !reads_boolean_mask(kForm) && Traits::kKvBuffers == 2;
+}
+
+// CTA blockIdx.x takes key blocks of args.key_blocks pass by pass (pass_tile; the launch gives one CTA per block
+// unless dkdv_runs_persistent, then possibly one per SM). Each role walks the same blocks in the same order.
 template <class Traits, BackwardForm kForm, bool kFusedDq>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     dkdv_kernel(const __grid_constant__ BackwardArgs<Traits> args) {
@@ -450,14 +491,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
-
-  const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices);
-  // No query sees these keys (by position, or in the masked form by the mask summary): dK = dV = 0.
-  if (next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items) {
-    using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
-    store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
-    store_key_rows<Traits, NoStage>(p, kb, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
-    return;
+  constexpr bool kPersistent = dkdv_runs_persistent<Traits, kForm>();
+  // Off the persistent grid the CTA's one key block is located once, first, and if no query sees its keys (by
+  // position, or in the masked form by the mask summary) every thread stores its share of dK = dV = 0 and leaves.
+  KeyBlock single{};
+  if constexpr (!kPersistent) {
+    single = locate_key_block<Traits>(p, args.band_slices, blockIdx.x);
+    if (next_item<Traits, kForm>(single, item_mask_blocks<Traits, kForm>(p, single), 0) >= single.items) {
+      using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
+      store_key_rows<Traits, NoStage>(p, single, p.dk, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+      store_key_rows<Traits, NoStage>(p, single, p.dv, nullptr, 0, Traits::kBlockN, threadIdx.x, Traits::kThreads);
+      return;
+    }
   }
 
   const int warp_group = threadIdx.x / 128;
@@ -467,7 +512,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full, 1);
+    for (int buffer = 0; buffer < Traits::kKvBuffers; ++buffer) {
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full[buffer], 1);
+      cutlass::arch::ClusterBarrier::init(&smem.kv_empty[buffer], Traits::kConsumerThreads);
+    }
     if constexpr (kFusedDq) {
       cutlass::arch::ClusterBarrier::init(&smem.dq_full, Traits::kDqStagers);
       cutlass::arch::ClusterBarrier::init(&smem.dq_empty, 1);
@@ -490,23 +538,79 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   StatsPipeline pipeline_stats(smem.pipeline_stats, stats_params);
   __syncthreads();  // barrier initialisation visible to every thread before any use
 
+  // The CTA's key blocks, each role walking them in the same order, pass by pass as the persistent forward
+  // (persistent_pass.h pass_tile: mirrored on odd passes, so that a CTA that drew a long causal block draws a short
+  // one next; a plain stride would hand the same CTAs the longest blocks pass after pass whenever the blocks per
+  // slice divide the grid). On the persistent grid an empty block gets dK = dV = 0 from the consumers and takes no
+  // K/V buffer (`fill` counts the others). Elsewhere the loops below run once (the bounds make that visible to the
+  // compiler), for the block located above.
+  const int64_t ctas = kPersistent ? int64_t(gridDim.x) : 1;
+  const int64_t blocks = kPersistent ? args.key_blocks : int64_t(blockIdx.x) + 1;
+  auto block_of_pass = [&](int64_t pass) -> int64_t {
+    return kPersistent ? pass_tile(uint32_t(pass), blockIdx.x, gridDim.x, uint32_t(blocks)) : int64_t(blockIdx.x);
+  };
+  auto key_block = [&](int64_t linear, bool* empty) -> KeyBlock {
+    if constexpr (!kPersistent) {
+      *empty = false;
+      return single;
+    } else {
+      const KeyBlock kb = locate_key_block<Traits>(p, args.band_slices, linear);
+      *empty = next_item<Traits, kForm>(kb, item_mask_blocks<Traits, kForm>(p, kb), 0) >= kb.items;
+      return kb;
+    }
+  };
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x == 0) {
-      produce_dkdv_tiles<Traits, kForm>(args, kb, smem, pipeline_qdo);
+      typename Traits::PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+      int fill = 0;
+      for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
+        bool empty;
+        const KeyBlock kb = key_block(block_of_pass(pass), &empty);
+        if (empty) continue;
+        produce_dkdv_tiles<Traits, kForm>(args, kb, smem, pipeline_qdo, write, kv_buffer_of<Traits>(fill++));
+      }
     } else if (warp == 1) {
-      produce_row_stats<Traits, kForm>(p, kb, smem, pipeline_stats);
+      typename Traits::PipelineState write = cutlass::make_producer_start_state<StatsPipeline>();
+      for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
+        bool empty;
+        const KeyBlock kb = key_block(block_of_pass(pass), &empty);
+        if (!empty) produce_row_stats<Traits, kForm>(p, kb, smem, pipeline_stats, write);
+      }
     } else if constexpr (kFusedDq) {
-      if (warp == 2) write_dq_tiles<Traits, kForm>(p, kb, smem);
+      if (warp == 2) {
+        int visit = 0;
+        for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
+          bool empty;
+          const KeyBlock kb = key_block(block_of_pass(pass), &empty);
+          if (!empty) write_dq_tiles<Traits, kForm>(p, kb, smem, visit);
+        }
+        // The reductions land before the CTA (and its shared memory) goes away.
+        if (threadIdx.x % 32 == 0) bulk_wait_all();
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    if constexpr (Traits::kSplitHeadDim) {
-      consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
-    } else if constexpr (Traits::kTf32) {
-      consume_query_tiles_tf32<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
-    } else {
-      consume_query_tiles<Traits, kForm, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+    typename Traits::PipelineState read;
+    int visit = 0, fill = 0;
+    for (int64_t pass = 0; pass * ctas + blockIdx.x < blocks; ++pass) {
+      bool empty;
+      const KeyBlock kb = key_block(block_of_pass(pass), &empty);
+      if (empty) {
+        using NoStage = decltype(make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{}));
+        const int thread = threadIdx.x - 128;
+        store_key_rows<Traits, NoStage>(p, kb, p.dk, nullptr, 0, Traits::kBlockN, thread, Traits::kConsumerThreads);
+        store_key_rows<Traits, NoStage>(p, kb, p.dv, nullptr, 0, Traits::kBlockN, thread, Traits::kConsumerThreads);
+        continue;
+      }
+      if constexpr (Traits::kSplitHeadDim) {
+        consume_query_tiles_split_head_dim<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+      } else if constexpr (Traits::kTf32) {
+        consume_query_tiles_tf32<Traits>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1);
+      } else {
+        consume_query_tiles<Traits, kForm, kFusedDq>(p, kb, smem, pipeline_qdo, pipeline_stats, warp_group - 1, read,
+                                                     visit, kv_buffer_of<Traits>(fill++));
+      }
     }
   }
 }

@@ -85,7 +85,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
                  make_coord(0, group)))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
 
-  cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
+  cutlass::arch::ClusterBarrier::wait(&smem.kv_full[0], 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
   for (int item = 0; item < kb.items; ++item) {
     const int stage = read.index();

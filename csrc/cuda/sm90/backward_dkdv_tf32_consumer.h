@@ -77,7 +77,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
       sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
 
-  cutlass::arch::ClusterBarrier::wait(&smem.kv_full, 0);
+  cutlass::arch::ClusterBarrier::wait(&smem.kv_full[0], 0);
   // K and V stay for the CTA's life: rounded to nearest once here (the tensor cores would truncate them, as they
   // do the streamed Q and dO of S^T and dP^T; the A operands below are rounded in registers).
   round_tiles_to_tf32(reinterpret_cast<float*>(smem.k.data()), reinterpret_cast<float*>(smem.v.data()),

@@ -33,10 +33,9 @@ struct KeyBlock {
 // start, so every band runs its longest CTAs first and the grid ends on short ones, instead of the last slice's
 // longest block starting in the last wave; a band's Q, dO and dQ workspace rows are sized to stay in L2 together
 // (backward_launch.h causal_band_slices).
-__device__ inline sm80::BlockCoord banded_block_coord(int num_n_blocks, int64_t heads_kv, int64_t batch,
-                                                      int64_t band_slices) {
+__device__ inline sm80::BlockCoord banded_block_coord(int64_t linear, int num_n_blocks, int64_t heads_kv,
+                                                      int64_t batch, int64_t band_slices) {
   const int64_t slices = heads_kv * batch;
-  const int64_t linear = blockIdx.x;
   const int64_t band_ctas = band_slices * num_n_blocks;
   const int64_t first_slice = linear / band_ctas * band_slices;
   const int64_t in_band = linear % band_ctas;
@@ -45,11 +44,13 @@ __device__ inline sm80::BlockCoord banded_block_coord(int num_n_blocks, int64_t 
   return {static_cast<int>(in_band / width), slice % heads_kv, slice / heads_kv};
 }
 
+// Key block `linear` of the call (dkdv_kernel: CTA blockIdx.x takes blocks blockIdx.x + k * gridDim.x).
 template <class Traits>
-__device__ KeyBlock locate_key_block(const AttentionBackwardParams& p, int64_t band_slices) {
+__device__ KeyBlock locate_key_block(const AttentionBackwardParams& p, int64_t band_slices, int64_t linear) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));
-  const sm80::BlockCoord cta = band_slices > 0 ? banded_block_coord(num_n_blocks, p.heads_kv, p.batch, band_slices)
-                                               : sm80::decode_block_coord(num_n_blocks, p.heads_kv);
+  const sm80::BlockCoord cta =
+      band_slices > 0 ? banded_block_coord(linear, num_n_blocks, p.heads_kv, p.batch, band_slices)
+                      : sm80::block_coord(static_cast<unsigned>(linear), num_n_blocks, p.heads_kv);
   KeyBlock kb;
   kb.batch = cta.batch;
   kb.head_kv = cta.head;

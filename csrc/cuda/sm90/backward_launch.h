@@ -62,7 +62,22 @@ inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t 
   return {};
 }
 
-// The dK/dV kernel of traits Traits (one CTA per key tile and KV head).
+// JAX_FLASH_SM90_BWD_PERSISTENT (read at every call; forward_launch.h on_off_auto_switch): "1" runs the dK/dV
+// kernels that can (dkdv_runs_persistent: d=64 and d=96, not the masked form; not d=128, 192, 256 or TF32) on a
+// persistent grid, one CTA per SM
+// looping over key blocks, so that a CTA's next block's K/V and first Q/dO tiles load under its current block's
+// last items and epilogue instead of after a new CTA's start; "0", unset or "auto" one CTA per key block.
+// NOT YET MEASURED on a GPU (branch persistent-dkdv): auto stays off until an A/B says otherwise.
+// JAX_FLASH_SM90_BWD_PERSISTENT_CTAS=N (tests) caps that grid at N CTAs, so that small problems take several key
+// blocks per CTA too.
+inline std::string dkdv_persistent_switch(bool* persistent, int64_t* max_ctas) {
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", false, persistent); !err.empty()) {
+    return err;
+  }
+  return cta_cap_switch("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", max_ctas);
+}
+
+// The dK/dV kernel of traits Traits (one CTA per key tile and KV head, or the persistent grid above).
 template <class Traits, BackwardForm kForm, bool kFusedDq>
 std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
   using namespace cute;
@@ -73,7 +88,7 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
       !err.empty()) {
     return err;
   }
-  auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
+  constexpr auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
   if (std::string err = sm80::grid_size(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch, &grid);
@@ -81,6 +96,20 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
     return err;
   }
   if (grid == 0) return {};
+  args.key_blocks = grid;
+  bool persistent = false;
+  int64_t max_ctas = 0;
+  if constexpr (dkdv_runs_persistent<Traits, kForm>()) {
+    if (std::string err = dkdv_persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+  }
+  if (persistent) {
+    int64_t ctas = 0;
+    if (std::string err = sm80::resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); !err.empty()) {
+      return "sm90 backward: sizing the persistent dK/dV grid: " + err;
+    }
+    if (max_ctas > 0) ctas = std::min(ctas, max_ctas);
+    grid = static_cast<unsigned>(std::min<int64_t>(grid, ctas));
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   return sm80::last_launch_error(what);
 }

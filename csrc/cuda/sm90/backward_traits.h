@@ -98,11 +98,8 @@ struct DkdvTraits {
   static constexpr int kConsumerGroups = kBlockN / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // The producer keeps 32 registers, not the forward's 24: its second warp copies row statistics and spilled at 24.
-  static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = kConsumerGroups == 2 ? 232 : 160;
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 16 == 0);
-  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along keys
   // S^T = K Q^T and dP^T = V dO^T: both operands K-major in smem. Transposed so that P^T and dS^T come out of the
@@ -158,9 +155,14 @@ struct DkdvTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  // K and V buffers (kKvBuffers of each): two where shared memory allows (d=64, d=96), so that a CTA of the
+  // persistent grid loads its next key block's K and V while it still works on the current one, whose buffers then
+  // stage its dK and dV; one at d=128, which runs one key block per CTA (backward_dkdv_kernel.h
+  // dkdv_runs_persistent).
+  template <int kBuffers>
+  struct Storage {
+    cute::array_aligned<Element, kBuffers * cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, kBuffers * cosize_v<SmemLayoutKV>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
     cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;  // fused dQ only
@@ -173,10 +175,18 @@ struct DkdvTraits {
     const bool* stage_mask_tile[kStages];
     typename Pipeline::SharedStorage pipeline_qdo;
     typename StatsPipeline::SharedStorage pipeline_stats;
-    alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+    alignas(8) uint64_t kv_full[kBuffers];   // transaction barrier of a buffer's K and V load
+    alignas(8) uint64_t kv_empty[kBuffers];  // persistent grid: the consumers' epilogue has read the buffer
     alignas(8) uint64_t dq_full;   // fused dQ: the item's kDqStagers threads staged their parts of its dQ tile
     alignas(8) uint64_t dq_empty;  // fused dQ: the writer's bulk reduction has read the staged tile
   };
+  static constexpr int kKvBuffers = sizeof(Storage<2>) <= 227 * 1024 ? 2 : 1;
+  using SharedStorage = Storage<kKvBuffers>;
+  // The producer keeps 32 registers, not the forward's 24: its second warp copies row statistics and spilled at 24;
+  // 40 where the kernel may run persistent (two K/V buffers), its threads carrying their pipeline state across key
+  // blocks (108 bytes of spills at 32, 40 at 40; compile of d=64).
+  static constexpr int kProducerRegisters = kKvBuffers == 2 ? 40 : 32;
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -201,7 +211,8 @@ struct ScoresInSmemStorage {
   float softmax_d[kStages][kBlockM];  // 0 past seqlen_q
   typename cutlass::PipelineTmaAsync<kStages>::SharedStorage pipeline_qdo;
   typename cutlass::PipelineAsync<kStages>::SharedStorage pipeline_stats;
-  alignas(8) uint64_t kv_full;  // transaction barrier of the one K and V load
+  alignas(8) uint64_t kv_full[1];   // transaction barrier of the one K and V load
+  alignas(8) uint64_t kv_empty[1];  // unused: these kernels run one key block per CTA (backward_dkdv_kernel.h)
 };
 
 // The split-head-dim dK/dV kernel (d=256, backward_dkdv_split_consumer.h): both consumer warpgroups share the CTA's
@@ -220,6 +231,7 @@ struct DkdvSplitTraits {
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static_assert(kTile.split_head_dim, "use DkdvTraits");
   static constexpr bool kSplitHeadDim = true;
+  static constexpr int kKvBuffers = 1;
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -294,6 +306,7 @@ struct Tf32DkdvTraits {
   using OutElement = float;
   static constexpr bool kTf32 = true;
   static constexpr bool kSplitHeadDim = false;
+  static constexpr int kKvBuffers = 1;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = tf32_dkdv_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -489,6 +502,9 @@ struct BackwardArgs {
   // dK/dV kernel: 0 orders the CTAs slice by slice (every key block of one (batch, KV head) slice, then the next);
   // n > 0 cuts the slices into bands of n and orders each band key block first (backward_key_block.h).
   int64_t band_slices = 0;
+  // dK/dV kernel: the key blocks of the call (CTA i takes blocks i, i + gridDim.x, ...; the grid is either all of
+  // them or, persistent, one CTA per SM).
+  int64_t key_blocks = 0;
 };
 
 }  // namespace jax_flash::cuda::sm90

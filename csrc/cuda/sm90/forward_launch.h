@@ -71,6 +71,20 @@ inline std::string on_off_auto_switch(const char* variable, bool automatic, bool
   return {};
 }
 
+// A cap on a persistent grid (read at every call): unset or "" sets *max_ctas to 0 (no cap), N >= 1 to N; anything
+// else is an error naming the variable.
+inline std::string cta_cap_switch(const char* variable, int64_t* max_ctas) {
+  *max_ctas = 0;
+  const char* cap = std::getenv(variable);
+  if (cap != nullptr && *cap != '\0') {
+    char* end = nullptr;
+    const long long n = std::strtoll(cap, &end, 10);
+    if (*end != '\0' || n < 1) return std::string(variable) + " must be a positive integer, not '" + cap + "'";
+    *max_ctas = n;
+  }
+  return {};
+}
+
 // JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
 // each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= kPersistentMaxSeqlenK and one CTA per
 // tile otherwise; "1" forces the persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid:
@@ -80,17 +94,7 @@ inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t
       !err.empty()) {
     return err;
   }
-  *max_ctas = 0;
-  const char* cap = std::getenv("JAX_FLASH_SM90_PERSISTENT_CTAS");
-  if (cap != nullptr && *cap != '\0') {
-    char* end = nullptr;
-    const long long n = std::strtoll(cap, &end, 10);
-    if (*end != '\0' || n < 1) {
-      return std::string("JAX_FLASH_SM90_PERSISTENT_CTAS must be a positive integer, not '") + cap + "'";
-    }
-    *max_ctas = n;
-  }
-  return {};
+  return cta_cap_switch("JAX_FLASH_SM90_PERSISTENT_CTAS", max_ctas);
 }
 
 // The causal order's band (forward_kernel.h split_tile): the slices whose K/V together take about this many bytes,
