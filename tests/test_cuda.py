@@ -232,6 +232,26 @@ def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
+@pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
+@pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
+def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
+    """EXPERIMENT (branch three-per-sm-probe): JAX_FLASH_SM90_THREE_PER_SM=1 runs the d=64 two-per-SM calls on a
+    64-row tile with 64-key stages, three CTAs per SM. Its rows see the keys in 64-key steps (the 128-key tile's
+    rescaling differs), so it is checked against the accuracy bound, not bit for bit. A bad value is an error."""
+    use_forward_kernel(monkeypatch, "sm90", 64)
+    monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_THREE_PER_SM", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16,
+                seed=41 + len(feature))
+    check_forward_on_gpu(case, **feature_kwargs(feature, case))
+    monkeypatch.setenv("JAX_FLASH_SM90_THREE_PER_SM", "3")
+    q, k, v = _on(GPUS[0], *case.inputs())
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_THREE_PER_SM"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
 def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")

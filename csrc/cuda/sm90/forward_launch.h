@@ -232,6 +232,14 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
       bool two_per_sm = false;
       if (std::string err = two_per_sm_switch(p, &two_per_sm); !err.empty()) return err;
       if (two_per_sm) {
+        bool three_per_sm = false;  // EXPERIMENT: JAX_FLASH_SM90_THREE_PER_SM=1 (default off)
+        if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_THREE_PER_SM", false, &three_per_sm); !err.empty()) {
+          return err;
+        }
+        if (three_per_sm) {
+          return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSm>, kVariant>(p, persistent,
+                                                                                              max_ctas, stream);
+        }
         return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSm>, kVariant>(p, persistent, max_ctas,
                                                                                           stream);
       }

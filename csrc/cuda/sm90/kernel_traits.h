@@ -35,6 +35,9 @@ struct ForwardTile {
 //  - kShort: one consumer (64 rows) for calls with at most 64 query rows, decoding above all (a single query row,
 //    or G of them with GQA packing): a 128-row tile would compute 64 rows that hold nothing, and such calls read
 //    long K/V with few tiles, so the freed shared memory goes to a deeper K/V pipeline instead.
+//  - kThreePerSm (EXPERIMENT, branch three-per-sm-probe, not run on a GPU): as kTwoPerSm with 64-key stages, so
+//    that three CTAs fit per SM (64 KiB each; consumers at 144 registers: ptxas, no spills), for
+//    JAX_FLASH_SM90_THREE_PER_SM=1 in place of kTwoPerSm.
 //  - kTwoPerSm: one consumer (64 rows) in a CTA small enough that two are resident per SM. Two consumers of one
 //    CTA work on the same tile, so they reach its serial parts together (the first Q K^T and its softmax with no
 //    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
@@ -43,13 +46,14 @@ struct ForwardTile {
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
-enum class RowTile { kStandard, kLong, kShort, kTwoPerSm };
+enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
     case 64: return rows == RowTile::kLong       ? ForwardTile{192, 128, 3}     //  24 + 96 (+ 24 O) = 144 KiB
                     : rows == RowTile::kShort    ? ForwardTile{64, 128, 4}      //   8 + 128 (+ 8 O) = 144 KiB
                     : rows == RowTile::kTwoPerSm ? ForwardTile{64, 128, 2, 2}   //   8 + 64 (+ 8 O) = 80 KiB
+                    : rows == RowTile::kThreePerSm ? ForwardTile{64, 64, 3, 3}  //   8 + 48 (+ 8 O) = 64 KiB
                                                  : ForwardTile{128, 128, 3};    //  16 + 96 (+ 16 O) = 128 KiB
     case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
     case 128: return rows == RowTile::kShort ? ForwardTile{64, 128, 3}     //  16 + 192 (+ 16 O) = 224 KiB
@@ -109,10 +113,11 @@ struct ForwardTraits {
   // 64K registers (multiples of 8; 128 * producer + consumer threads * consumer <= 65536 / CTAs per SM).
   static constexpr int kRegisterShare = 65536 / kCtasPerSm;
   static constexpr int kProducerRegisters =
-      kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm == 2) ? 24 : 40;
-  static constexpr int kConsumerRegisters = kConsumerGroups == 3 ? 160 : kCtasPerSm == 2 ? 232 : 240;
+      kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm >= 2) ? 24 : 40;
+  static constexpr int kConsumerRegisters =
+      kConsumerGroups == 3 ? 160 : kCtasPerSm == 3 ? 144 : kCtasPerSm == 2 ? 232 : 240;
   static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
-  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kConsumerGroups == 1), "two CTAs per SM: one consumer each");
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm <= 3 && kConsumerGroups == 1), "several CTAs per SM: one consumer each");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= kRegisterShare);
 
