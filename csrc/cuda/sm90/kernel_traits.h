@@ -109,13 +109,17 @@ struct ForwardTraits {
   static constexpr int kConsumerGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of the CTA's share of the
-  // 64K registers (multiples of 8; 128 * producer + consumer threads * consumer <= 65536 / CTAs per SM).
-  static constexpr int kRegisterShare = 65536 / kCtasPerSm;
+  // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of what the CTA was
+  // launched with. setmaxnreg.inc waits until the CTA's own pool has the registers, so a split above the launch
+  // allocation (__launch_bounds__: 64K / (threads * CTAs per SM) per thread, at most 255, rounded down to a
+  // multiple of 8) never starts: three 256-thread CTAs per SM launch at 80, so 24 + 144 hung on the H200.
+  static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm) < 255 ? 65536 / (kThreads * kCtasPerSm)
+                                                                                  : 255) / 8 * 8;
+  static constexpr int kRegisterShare = kLaunchRegisters * kThreads;
   static constexpr int kProducerRegisters =
       kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm >= 2) ? 24 : 40;
   static constexpr int kConsumerRegisters =
-      kConsumerGroups == 3 ? 160 : kCtasPerSm == 3 ? 144 : kCtasPerSm == 2 ? 232 : 240;
+      kConsumerGroups == 3 ? 160 : kCtasPerSm == 3 ? 136 : kCtasPerSm == 2 ? 232 : 240;
   static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
   static_assert(kCtasPerSm == 1 || (kCtasPerSm <= 3 && kConsumerGroups == 1), "several CTAs per SM: one consumer each");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
