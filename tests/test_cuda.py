@@ -235,7 +235,7 @@ def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
 @pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
 @pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
 def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
-    """EXPERIMENT (branch three-per-sm-probe): JAX_FLASH_SM90_THREE_PER_SM=1 runs the d=64 two-per-SM calls on a
+    """JAX_FLASH_SM90_THREE_PER_SM=1 runs every d=64 two-per-SM call (by default only short causal ones) on a
     64-row tile with 64-key stages, three CTAs per SM. Its rows see the keys in 64-key steps (the 128-key tile's
     rescaling differs), so it is checked against the accuracy bound, not bit for bit. A bad value is an error."""
     use_forward_kernel(monkeypatch, "sm90", 64)

@@ -48,12 +48,13 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
 // keep the slice order unless the switch asks for bands.
 constexpr int64_t kCausalBandBytes = int64_t(32) << 20;
 
-// JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (forward_launch.h band_mib_switch): "auto" the default above; "0" the
-// slice-by-slice order; N > 0 bands of about N MiB (every dK/dV kernel).
+// JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB (forward_launch.h band_mib_switch): "auto" the default above, except on the
+// persistent grid (below: bands break its static schedule's balance); "0" the slice-by-slice order; N > 0 bands
+// of about N MiB (every dK/dV kernel).
 inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t element_bytes, bool fused_dq,
-                                      int64_t* band) {
+                                      bool persistent, int64_t* band) {
   *band = 0;
-  int64_t budget = fused_dq ? kCausalBandBytes : 0;
+  int64_t budget = fused_dq && !persistent ? kCausalBandBytes : 0;
   if (std::string err = band_mib_switch("JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB", &budget); !err.empty()) return err;
   if (!p.causal || budget == 0) return {};
   const int64_t slices = p.batch * p.heads_kv;
@@ -64,14 +65,23 @@ inline std::string causal_band_slices(const AttentionBackwardParams& p, int64_t 
 
 // JAX_FLASH_SM90_BWD_PERSISTENT (read at every call; forward_launch.h on_off_auto_switch): "1" runs the dK/dV
 // kernels that can (dkdv_runs_persistent: d=64 and d=96, not the masked form; not d=128, 192, 256 or TF32) on a
-// persistent grid, one CTA per SM
-// looping over key blocks, so that a CTA's next block's K/V and first Q/dO tiles load under its current block's
-// last items and epilogue instead of after a new CTA's start; "0", unset or "auto" one CTA per key block.
-// NOT YET MEASURED on a GPU (branch persistent-dkdv): auto stays off until an A/B says otherwise.
+// persistent grid, one CTA per SM looping over key blocks, so that a CTA's next block's K/V and first Q/dO tiles
+// load under its current block's last items and epilogue instead of after a new CTA's start; "0" one CTA per key
+// block; unset or "auto" persistent for the d=64 common form up to kBwdPersistentMaxSeqlenK keys, where it was
+// measured. On the H200 (bf16, 16k tokens, 32 heads, bench_env_ab.py, results/env_ab_NVIDIA_H200_2026-12-03_
+// bwdpersist{,_noband}_s26.json), against one CTA per block: non-causal 1k +3.2%, 2k +1.7%, 4k +1.0%, 8k -0.5%,
+// 16k -0.2%; causal with the bands -5% to -16% (bands of long-first blocks, walked pass by pass, hand some CTAs
+// long blocks pass after pass), without them (both grids) 1k +5.3%, 2k +3.1%, 4k +1.7%, 16k -2.8%. So the
+// persistent grid runs without bands unless JAX_FLASH_SM90_BWD_CAUSAL_BAND_MIB asks for them.
 // JAX_FLASH_SM90_BWD_PERSISTENT_CTAS=N (tests) caps that grid at N CTAs, so that small problems take several key
 // blocks per CTA too.
-inline std::string dkdv_persistent_switch(bool* persistent, int64_t* max_ctas) {
-  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", false, persistent); !err.empty()) {
+constexpr int64_t kBwdPersistentMaxSeqlenK = 4096;
+
+template <class Traits, BackwardForm kForm>
+std::string dkdv_persistent_switch(const AttentionBackwardParams& p, bool* persistent, int64_t* max_ctas) {
+  const bool automatic =
+      Traits::kHeadDim == 64 && kForm == BackwardForm::kCommon && p.seqlen_k <= kBwdPersistentMaxSeqlenK;
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_BWD_PERSISTENT", automatic, persistent); !err.empty()) {
     return err;
   }
   return cta_cap_switch("JAX_FLASH_SM90_BWD_PERSISTENT_CTAS", max_ctas);
@@ -84,10 +94,6 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   BackwardArgs<Traits> args =
       backward_args<Traits, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), typename Traits::SmemLayoutKV,
                     Traits::kBlockM, Traits::kBlockN>(p);
-  if (std::string err = causal_band_slices(p, sizeof(typename Traits::Element), kFusedDq, &args.band_slices);
-      !err.empty()) {
-    return err;
-  }
   constexpr auto kernel = dkdv_kernel<Traits, kForm, kFusedDq>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;
@@ -100,7 +106,12 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   bool persistent = false;
   int64_t max_ctas = 0;
   if constexpr (dkdv_runs_persistent<Traits, kForm>()) {
-    if (std::string err = dkdv_persistent_switch(&persistent, &max_ctas); !err.empty()) return err;
+    if (std::string err = dkdv_persistent_switch<Traits, kForm>(p, &persistent, &max_ctas); !err.empty()) return err;
+  }
+  if (std::string err =
+          causal_band_slices(p, sizeof(typename Traits::Element), kFusedDq, persistent, &args.band_slices);
+      !err.empty()) {
+    return err;
   }
   if (persistent) {
     int64_t ctas = 0;

@@ -152,6 +152,19 @@ inline std::string two_per_sm_switch(const AttentionParams& p, bool* two_per_sm)
                             p.seqlen_k <= (p.causal ? kTwoPerSmMaxSeqlenKCausal : kTwoPerSmMaxSeqlenK), two_per_sm);
 }
 
+// Where the two-per-SM tile runs, the three-per-SM one (RowTile::kThreePerSm: 64-key stages) shortens a tile's
+// serial chain further, but each 64-row CTA reads K/V in twice as many steps. On the H200 (bf16, 16k tokens, 32
+// heads; bench_env_ab.py, results/env_ab_NVIDIA_H200_2026-12-03_threepersm_s26.json), against two per SM: causal
+// 512 keys +10.7%, 1k +3.5%, 2k -3.4%, 4k -3.3%; non-causal 1k -7%, 2k -13%, 4k -0.5%.
+constexpr int64_t kThreePerSmMaxSeqlenKCausal = 1024;
+
+// JAX_FLASH_SM90_THREE_PER_SM (read at every call), among the calls that take the two-per-SM tile: unset, "" or
+// "auto" causal calls up to the key length above, "1" always, "0" never.
+inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per_sm) {
+  return on_off_auto_switch("JAX_FLASH_SM90_THREE_PER_SM", p.causal && p.seqlen_k <= kThreePerSmMaxSeqlenKCausal,
+                            three_per_sm);
+}
+
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
@@ -232,10 +245,8 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
       bool two_per_sm = false;
       if (std::string err = two_per_sm_switch(p, &two_per_sm); !err.empty()) return err;
       if (two_per_sm) {
-        bool three_per_sm = false;  // EXPERIMENT: JAX_FLASH_SM90_THREE_PER_SM=1 (default off)
-        if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_THREE_PER_SM", false, &three_per_sm); !err.empty()) {
-          return err;
-        }
+        bool three_per_sm = false;
+        if (std::string err = three_per_sm_switch(p, &three_per_sm); !err.empty()) return err;
         if (three_per_sm) {
           return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSm>, kVariant>(p, persistent,
                                                                                               max_ctas, stream);

@@ -35,9 +35,9 @@ struct ForwardTile {
 //  - kShort: one consumer (64 rows) for calls with at most 64 query rows, decoding above all (a single query row,
 //    or G of them with GQA packing): a 128-row tile would compute 64 rows that hold nothing, and such calls read
 //    long K/V with few tiles, so the freed shared memory goes to a deeper K/V pipeline instead.
-//  - kThreePerSm (EXPERIMENT, branch three-per-sm-probe, not run on a GPU): as kTwoPerSm with 64-key stages, so
-//    that three CTAs fit per SM (64 KiB each; consumers at 144 registers: ptxas, no spills), for
-//    JAX_FLASH_SM90_THREE_PER_SM=1 in place of kTwoPerSm.
+//  - kThreePerSm: as kTwoPerSm with 64-key stages, so that three CTAs fit per SM (64 KiB each; consumers at 136
+//    registers: ptxas, no spills), in place of kTwoPerSm for short causal calls (forward_launch.h
+//    three_per_sm_switch).
 //  - kTwoPerSm: one consumer (64 rows) in a CTA small enough that two are resident per SM. Two consumers of one
 //    CTA work on the same tile, so they reach its serial parts together (the first Q K^T and its softmax with no
 //    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
