@@ -72,17 +72,21 @@ JF_HOST_DEVICE RowCoord softmax_d_row_coord(const AttentionBackwardParams& p, in
 // Fused dQ of the sm90 family: the pre-pass also zeroes the dq_accum workspace that the dK/dV pass then adds into
 // (common/dq_workspace_tile.h: [batch, heads_q, query tile, 64 * head_dim floats]; the order inside a chunk is the
 // family's, so zeroing needs none of it): each row's lanes zero the head_dim floats at its position's offset in its
-// chunk, and the last position's the rest of its chunk too (a partial last tile's rows past seqlen_q). That saves a
-// memset of the whole workspace (twice the bytes of dQ) as a pass of its own. Needs a 16-byte aligned workspace and
-// head_dim % 4 == 0 (the sm90 fused dQ's conditions).
+// chunk; in a partial last tile of n rows, row r also zeroes rows r + n, r + 2n, ... past seqlen_q (each once, the
+// tile's rows sharing them instead of its last row zeroing all 64 - n). That saves a memset of the whole workspace
+// (twice the bytes of dQ) as a pass of its own. Needs a 16-byte aligned workspace and head_dim % 4 == 0 (the sm90
+// fused dQ's conditions).
 __device__ __forceinline__ void zero_dq_accum_of_row(const AttentionBackwardParams& p, const RowCoord& at, int lane,
                                                      int lanes) {
   float* chunk = p.dq_accum + dq_workspace_tile_offset(at.batch, at.head, at.position / kDqWorkspaceTileRows,
                                                         p.heads_q, p.seqlen_q, p.head_dim);
-  const int64_t begin = at.position % kDqWorkspaceTileRows * p.head_dim;
-  const int64_t end = at.position == p.seqlen_q - 1 ? kDqWorkspaceTileRows * p.head_dim : begin + p.head_dim;
-  for (int64_t f = begin + 4 * lane; f < end; f += 4 * lanes) {
-    *reinterpret_cast<float4*>(chunk + f) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const int64_t tile_row = at.position % kDqWorkspaceTileRows;
+  const int64_t rows_left = p.seqlen_q - (at.position - tile_row);
+  const int64_t tile_rows = rows_left < kDqWorkspaceTileRows ? rows_left : kDqWorkspaceTileRows;
+  for (int64_t row = tile_row; row < kDqWorkspaceTileRows; row += tile_rows) {
+    for (int64_t f = row * p.head_dim + 4 * lane; f < (row + 1) * p.head_dim; f += 4 * lanes) {
+      *reinterpret_cast<float4*>(chunk + f) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
   }
 }
 

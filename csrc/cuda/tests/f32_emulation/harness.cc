@@ -131,9 +131,25 @@ int run_case(const Case& c, bool tf32) {
   // Backward. Packed and chunked calls are forward-only (AttentionParams::position_shift, kv_chunks): the backward
   // kernels compile without those layouts, so their cases check o and lse alone.
   const bool forward_only = c.packed_heads > 1 || c.kv_chunks > 1;
+  int zeroing_fails = 0;
   if (!forward_only) {
     emu_launch(static_cast<unsigned>(sm80::softmax_d_blocks<float>(p)), sm80::kRowKernelWarps * 32, f32::smem, 0,
                [&] { sm80::softmax_d_kernel<float>(p); });
+    if (c.d % 4 == 0 && !tf32) {  // the sm90 fused dQ's pre-pass zeroes its workspace (zero_dq_accum_of_row)
+      Buf accum(size_t(dq_workspace_elements(c.B, c.Sq, c.Hq, c.d)));  // NaN: every float must be written
+      float* const saved = p.dq_accum;
+      p.dq_accum = accum.p();
+      emu_launch(static_cast<unsigned>(sm80::softmax_d_blocks<float>(p)), sm80::kRowKernelWarps * 32, f32::smem, 0,
+                 [&] { sm80::softmax_d_rows<float, /*kZeroDqAccum=*/true>(p); });
+      p.dq_accum = saved;
+      size_t unzeroed = 0;
+      for (size_t i = 0; i < accum.n; ++i) unzeroed += accum[i] != 0.0f;
+      if (unzeroed != 0 || !accum.guards_ok()) {
+        std::printf("  %s: dq_accum zeroing left %zu of %zu floats, guards %s\n", c.name.c_str(), unzeroed, accum.n,
+                    accum.guards_ok() ? "intact" : "overwritten");
+        zeroing_fails = 1;
+      }
+    }
     if (tf32 && D <= 128) {
       if constexpr (D <= 128) {
         using G = f32::Tf32BackwardGeometry<D>;
@@ -228,7 +244,7 @@ int run_case(const Case& c, bool tf32) {
     return ok ? 0 : 1;
   };
   std::printf("%s [%s, D=%d]\n", c.name.c_str(), tf32 ? "tf32" : "exact", D);
-  int fails = rel(o, ro, "o") + rel(lse, rlse, "lse");
+  int fails = rel(o, ro, "o") + rel(lse, rlse, "lse") + zeroing_fails;
   if (!forward_only) {
     fails += rel(dq, rdq, "dq") + rel(dk, rdk, "dk") + rel(dv, rdv, "dv");
     if (n_bias) fails += rel(dbias, rdbias, "db");
