@@ -18,7 +18,7 @@
 #                sm90 dense form (the default) per-tile and persistent (3 CTAs), and the three sanitizers on `--small`
 #                both ways (bench_cuda's padding-mask row times that forward both ways)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
-#                (-v lists each failure as it happens, so a timed-out run still names them)
+#                (verbose: each result is listed as it happens, so a timed-out run still names its failures)
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
@@ -56,7 +56,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a}
 check=$repo/build/standalone_check
-pytest_args=(-q -p no:cacheprovider --rootdir "$repo" -rf)
+pytest_args=(-v -p no:cacheprovider --rootdir "$repo" -rf)  # -v: a run cut off by its limit still names its failures
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 limit_var=${1^^}_LIMIT
