@@ -58,13 +58,6 @@ constexpr BackwardTile dq_tile(int head_dim) {
   }
 }
 
-// setmaxnreg moves registers only within what the CTA was launched with (65536 / threads, rounded down to a
-// multiple of 8, per thread): the consumers' increase must be covered by the producer's decrease.
-constexpr bool registers_fit(int threads, int consumer_threads, int producer_registers, int consumer_registers) {
-  const int launched = (65536 / threads) / 8 * 8;
-  return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
-}
-
 // (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
 template <class Element>
 struct BshdGmem {

@@ -17,6 +17,17 @@
 
 namespace jax_flash::cuda::sm90 {
 
+// setmaxnreg moves registers only within what the CTA was launched with: 65536 / (threads x CTAs per SM) per
+// thread, at most 255, rounded down to a multiple of 8 (__launch_bounds__). setmaxnreg.inc waits until the CTA's
+// own pool has the registers, so the consumers' increase must be covered by the producer's decrease, or it never
+// starts (three 256-thread CTAs per SM launch at 80 registers: a 24 + 144 split hung on the H200).
+constexpr bool registers_fit(int threads, int consumer_threads, int producer_registers, int consumer_registers,
+                             int ctas_per_sm = 1) {
+  const int per_thread = 65536 / (threads * ctas_per_sm);
+  const int launched = (per_thread < 255 ? per_thread : 255) / 8 * 8;
+  return (launched - producer_registers) * 128 >= (consumer_registers - launched) * consumer_threads;
+}
+
 struct ForwardTile {
   int block_m;  // query rows per CTA: 64 per consumer warpgroup
   int block_n;  // keys per pipeline stage (the N of Q K^T and the K of P V)
@@ -110,12 +121,7 @@ struct ForwardTraits {
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg: the producer keeps what address arithmetic needs; consumers take the rest of what the CTA was
-  // launched with. setmaxnreg.inc waits until the CTA's own pool has the registers, so a split above the launch
-  // allocation (__launch_bounds__: 64K / (threads * CTAs per SM) per thread, at most 255, rounded down to a
-  // multiple of 8) never starts: three 256-thread CTAs per SM launch at 80, so 24 + 144 hung on the H200.
-  static constexpr int kLaunchRegisters = (65536 / (kThreads * kCtasPerSm) < 255 ? 65536 / (kThreads * kCtasPerSm)
-                                                                                  : 255) / 8 * 8;
-  static constexpr int kRegisterShare = kLaunchRegisters * kThreads;
+  // launched with (registers_fit).
   static constexpr int kProducerRegisters =
       kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm >= 2) ? 24 : 40;
   static constexpr int kConsumerRegisters =
@@ -123,7 +129,7 @@ struct ForwardTraits {
   static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
   static_assert(kCtasPerSm == 1 || (kCtasPerSm <= 3 && kConsumerGroups == 1), "several CTAs per SM: one consumer each");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= kRegisterShare);
+  static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters, kCtasPerSm));
 
   using BlockMNK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T
   using BlockMKN = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V
