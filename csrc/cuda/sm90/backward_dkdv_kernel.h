@@ -144,9 +144,9 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
 }
 
 // Producer warp 1, per key block (`write` runs on across them): lse (as log2, +inf for rows without a visible key)
-// and softmax_d of every item's rows; in the
-// masked form also the item itself and its mask tile, and after the last item one more stage whose item is -1
-// (the end), so that the consumers need not walk the mask summary (see consume_query_tiles).
+// and softmax_d of every item's rows; in the masked form also the item itself and its mask tile, and after the last
+// item one more stage whose item is -1 (the end), so that the consumers need not walk the mask summary (see
+// consume_query_tiles).
 template <class Traits, BackwardForm kForm>
 __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlock& kb,
                                   typename Traits::SharedStorage& smem, typename Traits::StatsPipeline& pipeline,
@@ -469,9 +469,9 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
 
 // Whether a form's CTAs may take several key blocks (the persistent grid): every role then carries its pipeline
 // state and item count from one block to the next, and the next block's K and V load into the second K/V buffer
-// while the current one runs (so only where two fit: d=64, d=96). Not the masked form (its consumers stop at an end-mark stage of
-// the row-stats pipeline that has no Q/dO stage, which would put the two pipelines out of step for the next
-// block), nor the split-head-dim and TF32 consumers (written for one block per CTA).
+// while the current one runs (so only where two fit: d=64, d=96). Not the masked form (its consumers stop at an
+// end-mark stage of the row-stats pipeline that has no Q/dO stage, which would put the two pipelines out of step for
+// the next block), nor the split-head-dim and TF32 consumers (written for one block per CTA).
 template <class Traits, BackwardForm kForm>
 constexpr bool dkdv_runs_persistent() {
   return !Traits::kSplitHeadDim && !Traits::kTf32 && !reads_boolean_mask(kForm) && Traits::kKvBuffers == 2;

@@ -44,7 +44,7 @@ __device__ inline sm80::BlockCoord banded_block_coord(int64_t linear, int num_n_
   return {static_cast<int>(in_band / width), slice % heads_kv, slice / heads_kv};
 }
 
-// Key block `linear` of the call (dkdv_kernel: CTA blockIdx.x takes blocks blockIdx.x + k * gridDim.x).
+// Key block `linear` of the call, in the CTA order above (dkdv_kernel says which CTA takes which).
 template <class Traits>
 __device__ KeyBlock locate_key_block(const AttentionBackwardParams& p, int64_t band_slices, int64_t linear) {
   const int num_n_blocks = static_cast<int>(ceil_div(p.seqlen_k, Traits::kBlockN));

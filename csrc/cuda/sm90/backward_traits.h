@@ -495,8 +495,8 @@ struct BackwardArgs {
   // dK/dV kernel: 0 orders the CTAs slice by slice (every key block of one (batch, KV head) slice, then the next);
   // n > 0 cuts the slices into bands of n and orders each band key block first (backward_key_block.h).
   int64_t band_slices = 0;
-  // dK/dV kernel: the key blocks of the call (CTA i takes blocks i, i + gridDim.x, ...; the grid is either all of
-  // them or, persistent, one CTA per SM).
+  // dK/dV kernel: the key blocks of the call (the grid is either one CTA per block or, persistent, about one per SM
+  // taking them pass by pass: backward_dkdv_kernel.h dkdv_kernel).
   int64_t key_blocks = 0;
 };
 
