@@ -26,6 +26,8 @@
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
 #   kernel_times each kernel of one jitted backward and its duration (Nsight Compute), jax_flash and cuDNN, for the
 #                cases $KERNEL_TIMES_CASES ("head_dim:seqlen[:causal] ...", default d=64 and d=128 causal 1k)
+#   ncu_vs_cudnn Nsight Compute sections of the main backward kernel, jax_flash's and cuDNN's, case $NCU_VS_CASE
+#                (default 64:8192)
 #   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_APP, NCU_SRC_KERNEL, NCU_SRC_SKIP,
 #                NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
@@ -184,6 +186,7 @@ ncu_bwd() {
 # benchmarks/bench_attention.py --head-dims 64 --seqlens 1024 --impls jax_flash_sm90 --forward-only --reps 2
 # --out-dir /tmp" with NCU_SRC_KERNEL=forward_kernel, NCU_SRC_SKIP=3); the report's SASS page as CSV, then the 40
 # instructions with the most stall samples (ncu_src_top.txt, ncu_src_summary.py).
+# Per source line: ncu_src_lines.py with an nvdisasm -gi listing of the same unit compiled locally (its docstring).
 ncu_src() {
   export JAX_FLASH_CUDA_KERNEL_BACKWARD=${NCU_BWD_FAMILY:-sm90}
   # shellcheck disable=SC2086  # NCU_SRC_APP is a command line
@@ -192,6 +195,23 @@ ncu_src() {
     > "$out/ncu_src_app.log" 2>&1 || return 1
   ncu --import "$out/ncu_src.ncu-rep" --page source --csv --print-source sass > "$out/ncu_src_sass.csv" || return 1
   python3 "$repo/csrc/cuda/tests/ncu_src_summary.py" "$out/ncu_src_sass.csv" 40 | tee "$out/ncu_src_top.txt"
+}
+
+# Nsight Compute sections (pipes, issue, stalls, memory) of the main backward kernel of one jitted backward, jax_flash's
+# dK/dV kernel and cuDNN's flash_bprop kernel, the fourth call's launch, for the case $NCU_VS_CASE
+# ("head_dim:seqlen[:causal]", default 64:8192; backward_kernel_times.py's shapes).
+ncu_vs_cudnn() {
+  local impl d s c
+  IFS=: read -r d s c <<<"${NCU_VS_CASE:-64:8192}"
+  for impl in jax_flash_sm90 cudnn; do
+    echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
+    (cd /tmp && ncu --kernel-name "regex:dkdv_kernel|flash_bprop" --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+      --section InstructionStats python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" --impl $impl \
+      --head-dim "$d" --seqlen "$s" ${c:+--causal}) > "$out/ncu_vs_cudnn_${impl}.txt" 2>&1 || return 1
+    grep -E "Duration|Registers Per|Issue Slots Busy|Executed Instructions  " "$out/ncu_vs_cudnn_${impl}.txt"
+  done
 }
 
 # Which kernels one jitted backward runs and how long each takes, jax_flash against cuDNN
@@ -297,6 +317,7 @@ run_stage() {
     ncu_bwd) stage ncu_bwd 240 ncu_bwd ;;
     ncu_src) stage ncu_src 240 ncu_src ;;
     kernel_times) stage kernel_times 180 kernel_times ;;
+    ncu_vs_cudnn) stage ncu_vs_cudnn 150 ncu_vs_cudnn ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
     ncu_decode) stage ncu_decode 150 ncu_decode ;;
