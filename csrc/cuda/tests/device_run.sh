@@ -168,9 +168,11 @@ bench_cuda() {
 # Where the Hopper backward's time goes: Nsight Compute on one launch each of the fused-dQ dK/dV kernel, the plain
 # dK/dV kernel and the dQ kernel of the standalone --bench (d=128 4k non-causal, its first case). In --bench each
 # backward mode runs 23 times (3 warm-up + 20 timed), fused first: dK/dV launch 0 is fused, launch 23 plain.
+# The Nsight Compute sections of ncu_bwd and ncu_vs_cudnn (pipes, issue, stalls, memory, launch).
+kernel_sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+                 --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats)
 ncu_bwd() {
-  local sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-                  --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats)
+  local sections=("${kernel_sections[@]}")
   export JAX_FLASH_CUDA_KERNEL_BACKWARD=${NCU_BWD_FAMILY:-sm90}
   echo "== fused-dQ dK/dV kernel"
   ncu --kernel-name regex:dkdv_kernel --launch-skip 0 --launch-count 1 "${sections[@]}" "$check" --bench || return 1
@@ -206,10 +208,8 @@ ncu_vs_cudnn() {
   for impl in jax_flash_sm90 cudnn; do
     echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
     (cd /tmp && ncu --kernel-name "regex:dkdv_kernel|flash_bprop" --launch-skip 3 --launch-count 1 \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
-      --section InstructionStats python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" --impl $impl \
-      --head-dim "$d" --seqlen "$s" ${c:+--causal}) > "$out/ncu_vs_cudnn_${impl}.txt" 2>&1 || return 1
+      "${kernel_sections[@]}" --section Occupancy python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" \
+      --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal}) > "$out/ncu_vs_cudnn_${impl}.txt" 2>&1 || return 1
     grep -E "Duration|Registers Per|Issue Slots Busy|Executed Instructions  " "$out/ncu_vs_cudnn_${impl}.txt"
   done
 }

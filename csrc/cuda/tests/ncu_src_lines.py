@@ -39,6 +39,12 @@ def sass_lines(listing: str, kernel: str) -> dict[int, tuple[list[tuple[str, int
     return table
 
 
+def opcode(instruction: str) -> str:
+    """The opcode of a SASS instruction, after its predicate if it has one ("@!P0 BRA ..." -> "BRA")."""
+    tokens = instruction.split()
+    return tokens[1] if tokens and tokens[0].startswith("@") else (tokens[0] if tokens else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv")
@@ -63,9 +69,9 @@ def main() -> None:
     per_line = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for row in body:
         offset = int(row[address], 16) - base
-        chain, opcode = table.get(offset, ([], ""))
-        if not opcode or row[source].split()[0].lstrip("@!UP0123456789T") not in opcode.split()[0] + opcode:
-            raise SystemExit(f"offset {offset:#x}: the CSV has '{row[source].strip()}', the listing '{opcode}': "
+        chain, listed = table.get(offset, ([], ""))
+        if not listed or opcode(row[source]) != opcode(listed):
+            raise SystemExit(f"offset {offset:#x}: the CSV has '{row[source].strip()}', the listing '{listed}': "
                              "not the same kernel build")
         in_file = [frame for frame in chain if frame[0] == args.file]
         key = in_file[0][1] if in_file else -1
