@@ -15,6 +15,7 @@ struct TileSpan {
   int end = 0;
   JF_HOST_DEVICE bool empty() const { return end <= begin; }
   JF_HOST_DEVICE int size() const { return end > begin ? end - begin : 0; }
+  JF_HOST_DEVICE bool contains(int i) const { return i >= begin && i < end; }
 };
 
 JF_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -61,6 +62,33 @@ JF_HOST_DEVICE TileSpan fully_visible_key_tiles(const SliceMask& mask, int64_t r
   const int64_t end_key = mask.key_end(row_begin);
   if (end_key <= first_key) return {};
   return {static_cast<int>(ceil_div(first_key, block_n)), static_cast<int>(end_key / block_n)};
+}
+
+// Query tiles of height `block_m` in which every row sees every key of [key_begin, key_begin + keys): the tiles m
+// for which tile_fully_visible(mask, m * block_m, block_m, key_begin, keys) holds. One contiguous range: a tile
+// qualifies when it lies inside valid_q (a prefix of the tiles), its last row's key_begin is at most key_begin (a
+// prefix: nondecreasing in the row) and its first row's key_end at least key_begin + keys (a suffix, among rows
+// inside valid_q). A loop over a key block's query tiles then compares two integers per tile instead of evaluating
+// the position bounds (csrc/cuda/tests/tile_span_check.cc checks the two agree).
+JF_HOST_DEVICE TileSpan fully_visible_query_tiles(const SliceMask& mask, int64_t key_begin, int keys, int block_m) {
+  const int64_t key_end = key_begin + keys;
+  if (mask.q_segment_ids != nullptr || key_end > mask.valid_k) return {};
+  int64_t begin = 0;
+  int64_t end = mask.valid_q / block_m;
+  if (mask.window_right >= 0) {
+    // key_end(row) >= key_end  <=>  position(row) >= key_end - diagonal_shift - window_right - 1
+    const int64_t position = key_end - mask.diagonal_shift - mask.window_right - 1;
+    if (position > 0) begin = ceil_div(position << mask.position_shift, block_m);
+  }
+  if (mask.window_left >= 0) {
+    // key_begin(row) <= key_begin  <=>  position(row) <= key_begin - diagonal_shift + window_left
+    const int64_t position = key_begin - mask.diagonal_shift + mask.window_left;
+    if (position < 0) return {};
+    const int64_t rows = (position + 1) << mask.position_shift;  // the rows at or below that position
+    if (rows / block_m < end) end = rows / block_m;
+  }
+  if (end <= begin) return {};
+  return {static_cast<int>(begin), static_cast<int>(end)};
 }
 
 // True when every (row, key) of the tile is visible, so the tile needs no per-element mask.

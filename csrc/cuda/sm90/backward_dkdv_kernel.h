@@ -131,14 +131,15 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
     const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
     for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
          item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
-      load(q_tiles(kb.head(item)), do_tiles(kb.head(item)), kb.m_block(item));
+      const ItemTile t = kb.tile_of(item);
+      load(q_tiles(t.head), do_tiles(t.head), t.m_block);
     }
   } else {
     // Every item, the tensors of a query head made once (a walk by item cost the d=256 kernel 28 bytes of spills).
     for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
       const auto tQgQ = q_tiles(head);
       const auto tdOgdO = do_tiles(head);
-      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, kb.m_block(tile));
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, kb.query_tiles.begin + tile);
     }
   }
 }
@@ -174,9 +175,10 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
     const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
     for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
          item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
-      const int64_t head = kb.head(item);
+      const ItemTile t = kb.tile_of(item);
+      const int64_t head = t.head;
       fill(p.lse + sm80::row_stat_offset(p, kb.batch, head, 0),
-           p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0), kb.m_block(item), [&](int stage, int m0) {
+           p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0), t.m_block, [&](int stage, int m0) {
              if (lane == 0) {
                smem.stage_item[stage] = item;
                smem.stage_mask_tile[stage] = blocks.template cover<Traits>(kb, item) == MaskCover::kVisible
@@ -196,7 +198,9 @@ __device__ void produce_row_stats(const AttentionBackwardParams& p, const KeyBlo
     for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
       const float* lse = p.lse + sm80::row_stat_offset(p, kb.batch, head, 0);
       const float* row_d = p.softmax_d + sm80::row_stat_offset(p, kb.batch, head, 0);
-      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) fill(lse, row_d, kb.m_block(tile), [](int, int) {});
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) {
+        fill(lse, row_d, kb.query_tiles.begin + tile, [](int, int) {});
+      }
     }
   }
 }
@@ -211,9 +215,10 @@ __device__ void write_dq_tiles(const AttentionBackwardParams& p, const KeyBlock&
   const ItemMaskBlocks blocks = item_mask_blocks<Traits, kForm>(p, kb);
   for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
        item = next_item<Traits, kForm>(kb, blocks, item + 1), ++visit) {
+    const ItemTile t = kb.tile_of(item);  // before the wait, which hides its division
     cutlass::arch::ClusterBarrier::wait(&smem.dq_full, visit & 1);
     if (lane == 0) {
-      reduce_dq_tile(p, smem.dq, kb.batch, kb.head(item), kb.m_block(item));
+      reduce_dq_tile(p, smem.dq, kb.batch, t.head, t.m_block);
       bulk_wait_read();
       cutlass::arch::ClusterBarrier::arrive(&smem.dq_empty);
     }
@@ -275,6 +280,13 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
                 dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kBlockM, kDqCols>());  // staged order
   auto thr_dq = mma_dq.get_thread_slice(thread % 128);
   Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
+  // dS^T goes in with stmatrix: 16-byte rows of 8x8 blocks (queries contiguous, as the accumulators pair them), one
+  // 32-bit shared address per row. The element-wise copy compiled to 16 generic 32-bit stores per thread, each with
+  // its own 64-bit address and swizzle arithmetic: 107 instructions per warp and item at d=64, the consumers' most
+  // (Nsight Compute source counters, H200, 8k keys; benchmarks/NOTES.md, 27th session).
+  auto ds_store = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
+  auto thr_ds_store = ds_store.get_thread_slice(thread);
+  Tensor ds_store_dst = thr_ds_store.partition_D(sDsT);  // (CPY, CPY_M, CPY_N, buffer)
   // This consumer's column slice of K^T (all of it where the consumers alternate over items).
   const int dq_slice = Traits::kDqAlternating ? 0 : group;
   Tensor frag_kt = thr_dq.partition_fragment_B(
@@ -287,6 +299,9 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   constexpr bool kSkipHiddenKeys = kHeadDim == 64;
   const TileSpan seen_by =
       kSkipHiddenKeys ? query_tiles_for_keys(kb.mask, kb.n0 + group * 64, 64, kBlockM) : TileSpan{0, INT_MAX};
+  // The query tiles in which every row sees all the block's keys: no per-element mask (decided per tile, the
+  // position bounds cost the d=64 consumers 39 instructions per item, 64-bit, and 7% of the stall samples).
+  const TileSpan unmasked = fully_visible_query_tiles(kb.mask, kb.n0, kBlockN, kBlockM);
   // Both consumers' dS of an item stored. The hidden-item path meets the other consumer's main path here from an
   // instruction of its own, which PTX allows only for the non-aligned barrier (named_barrier.h).
   auto meet_at_ds_barrier = [] {
@@ -317,34 +332,36 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full[kv.buffer], kv.full_phase);
   // Q/dO and their row stats advance in lock step (`read`). `visit` counts the items walked over the CTA's key
-  // blocks (dS buffers and dQ barrier phases alternate with it); `walked` those of this block; `item` names the tile.
+  // blocks (dS buffers and dQ barrier phases alternate with it); `walked` those of this block; `tile` names the item.
   // Masked form: the consumers take each item's index, and its mask tile where it reads mask elements, from its
   // row-stats stage, until the stage that marks the end (produce_row_stats walks the mask summary). Walking it here,
   // in the loop beside dK and dV, spilled (ptxas, d=128: 444 bytes per thread), and counting the items up front
-  // would cost one dependent summary load per item before the first GEMM.
+  // would cost one dependent summary load per item before the first GEMM. The other forms visit every item in order.
   const int visits = reads_boolean_mask(kForm) ? INT_MAX : kb.items;
+  ItemTile next = kb.first_tile();
   for (int walked = 0; walked < visits; ++walked, ++visit) {
     const int stage = read.index();
-    int item = walked;
+    ItemTile tile = next;
+    next = kb.next_tile(next);
     [[maybe_unused]] const bool* mask_tile = nullptr;
     if constexpr (reads_boolean_mask(kForm)) {
       pipeline_stats.consumer_wait(read);
-      item = smem.stage_item[stage];
+      const int item = smem.stage_item[stage];
       mask_tile = smem.stage_mask_tile[stage];
       if (item < 0) break;  // the end mark: no Q/dO stage goes with it
+      tile = kb.tile_of(item);
     }
     [[maybe_unused]] const bool read_mask_elements = mask_tile != nullptr;
-    const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
-    if (kSkipHiddenKeys && (kb.m_block(item) < seen_by.begin || kb.m_block(item) >= seen_by.end)) {
+    const int64_t m0 = int64_t(tile.m_block) * kBlockM;
+    if (kSkipHiddenKeys && !seen_by.contains(tile.m_block)) {
       // The stages are waited for before they go back, so that the releases land in their phases.
       pipeline_qdo.consumer_wait(read);
       if constexpr (!reads_boolean_mask(kForm)) pipeline_stats.consumer_wait(read);
       if constexpr (kFusedDq) {
         const int buffer = visit & 1;
-        Tensor ds_part = thr_sdp.partition_C(sDsT(_, _, buffer));
-        Tensor zeros = make_fragment_like<T>(ds_part);
+        Tensor zeros = make_tensor<T>(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{}).layout());
         fill(zeros, T(0));
-        copy(zeros, ds_part);
+        copy(ds_store, thr_ds_store.retile_S(zeros), ds_store_dst(_, _, _, buffer));
         fence_stores_for_async_proxy();
         meet_at_ds_barrier();
         if (dq_turn(visit)) {
@@ -362,7 +379,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     // before the GEMMs so that they hide its latency.
     float alibi_slope = 0.0f;
     if constexpr (transforms_scores(kForm)) {
-      if (p.alibi_slopes != nullptr) alibi_slope = p.alibi_slopes[kb.batch * p.heads_q + kb.head(item)];
+      if (p.alibi_slopes != nullptr) alibi_slope = p.alibi_slopes[kb.batch * p.heads_q + tile.head];
     }
     // Masked form: the mask bits of an item that reads mask elements (its blocks are not all visible), gathered
     // before the GEMMs (MaskBits says why); the mask of the item's own query head (it may differ along the GQA
@@ -386,7 +403,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     if constexpr (transforms_scores(kForm)) {
       // The tanh (the costly part) and the masks while dP^T runs; the rest needs dP^T for the softcap's factor.
       cap_scores(scores, p.softmax_scale, p.softcap);
-      if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+      if (!unmasked.contains(tile.m_block)) {
         mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
       }
       if constexpr (reads_boolean_mask(kForm)) {
@@ -397,7 +414,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
                              first_alibi_distance(kb.mask, coords, m0, kb.n0, /*transposed=*/true),
                              smem.lse_log2[stage], smem.softmax_d[stage]);
     } else {
-      if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+      if (!unmasked.contains(tile.m_block)) {
         mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
       }
       transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
@@ -413,7 +430,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // Buffer visit & 1 is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
       // barrier, which this consumer has passed.
       const int buffer = visit & 1;
-      copy(score_grads, thr_sdp.partition_C(sDsT(_, _, buffer)));
+      copy(ds_store, thr_ds_store.retile_S(score_grads), ds_store_dst(_, _, _, buffer));
       fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
       // dV first, so that it runs while the consumers meet; then dQ before dK, so that dQ retires first and its
       // staging overlaps dK. On the H200 this order ran the backward 3-9% faster (median 5.5%) than barrier, dV, dK,

@@ -87,10 +87,12 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full[0], 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
-  for (int item = 0; item < kb.items; ++item) {
+  const TileSpan unmasked = fully_visible_query_tiles(kb.mask, kb.n0, kBlockN, kBlockM);  // no per-element mask
+  ItemTile tile = kb.first_tile();  // every item in order
+  for (int item = 0; item < kb.items; ++item, tile = kb.next_tile(tile)) {
     const int stage = read.index();
     const int buffer = item & 1;  // of P^T / dS^T (DkdvSplitTraits::SmemLayoutPdS says why two suffice)
-    const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    const int64_t m0 = int64_t(tile.m_block) * kBlockM;
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kQueryCols>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kQueryCols>>{});
     pipeline_qdo.consumer_wait(read);
@@ -101,7 +103,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
     warpgroup_fence_operand(acc_s);  // its reads stay after the wait
-    if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+    if (!unmasked.contains(tile.m_block)) {
       mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);

@@ -83,9 +83,11 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   round_tiles_to_tf32(reinterpret_cast<float*>(smem.k.data()), reinterpret_cast<float*>(smem.v.data()),
                       int(cosize_v<typename Traits::SmemLayoutKV>), thread, Traits::kConsumerThreads, kTf32KVRounded);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
-  for (int item = 0; item < kb.items; ++item) {
+  const TileSpan unmasked = fully_visible_query_tiles(kb.mask, kb.n0, kBlockN, kBlockM);  // no per-element mask
+  ItemTile tile = kb.first_tile();  // every item in order
+  for (int item = 0; item < kb.items; ++item, tile = kb.next_tile(tile)) {
     const int stage = read.index();
-    const int64_t m0 = int64_t(kb.m_block(item)) * kBlockM;
+    const int64_t m0 = int64_t(tile.m_block) * kBlockM;
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     pipeline_qdo.consumer_wait(read);
@@ -96,7 +98,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     auto dp = sm80::as_rows_cols(sm80_view(acc_dp));
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
     warpgroup_fence_operand(acc_s);
-    if (!tile_fully_visible(kb.mask, m0, kBlockM, kb.n0, kBlockN)) {
+    if (!unmasked.contains(tile.m_block)) {
       mask_transposed_scores(kb.mask, scores, coords, kb.n0, m0);
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);

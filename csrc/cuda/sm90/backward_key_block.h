@@ -1,5 +1,6 @@
 // The keys one CTA of the Hopper dK/dV pass owns (every consumer form: backward_dkdv_kernel.h,
-// backward_dkdv_split_consumer.h, backward_dkdv_tf32_consumer.h), the (query head, query tile) items it visits, and the store of its dK/dV rows.
+// backward_dkdv_split_consumer.h, backward_dkdv_tf32_consumer.h), the (query head, query tile) items it visits, and
+// the store of its dK/dV rows.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,14 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// The keys a CTA owns and the (query head, query tile) items it visits; computed identically by every thread.
+// An item: a query head and one of its query tiles (index in tiles of Traits::kBlockM rows).
+struct ItemTile {
+  int64_t head;
+  int m_block;
+};
+
+// The keys a CTA owns and the (query head, query tile) items it visits, query heads outer; computed identically by
+// every thread.
 struct KeyBlock {
   int64_t batch;
   int64_t head_kv;
@@ -24,8 +32,17 @@ struct KeyBlock {
   TileSpan query_tiles;
   int items;            // group * query_tiles.size()
 
-  __device__ int64_t head(int item) const { return head_kv * group + item / query_tiles.size(); }
-  __device__ int m_block(int item) const { return query_tiles.begin + item % query_tiles.size(); }
+  // Item `item`'s query head and tile, by division: for walks that skip items (the masked form's).
+  __device__ ItemTile tile_of(int item) const {
+    return {head_kv * group + item / query_tiles.size(), query_tiles.begin + item % query_tiles.size()};
+  }
+  __device__ ItemTile first_tile() const { return {head_kv * group, query_tiles.begin}; }
+  // The item after `t`, for walks that visit every item: the division by the run-time tile count cost a d=64
+  // consumer 25 instructions per item with a dependent MUFU.RCP chain, 7.5% of the dK/dV kernel's stall samples
+  // (Nsight Compute on the H200, 8k keys; benchmarks/NOTES.md, 27th session).
+  __device__ ItemTile next_tile(ItemTile t) const {
+    return ++t.m_block == query_tiles.end ? ItemTile{t.head + 1, query_tiles.begin} : t;
+  }
 };
 
 // The CTA's (key block, KV head, batch) where the slices ((batch, KV head) pairs) are cut into bands of
