@@ -280,13 +280,6 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
                 dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kBlockM, kDqCols>());  // staged order
   auto thr_dq = mma_dq.get_thread_slice(thread % 128);
   Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
-  // dS^T goes in with stmatrix: 16-byte rows of 8x8 blocks (queries contiguous, as the accumulators pair them), one
-  // 32-bit shared address per row. The element-wise copy compiled to 16 generic 32-bit stores per thread, each with
-  // its own 64-bit address and swizzle arithmetic: 107 instructions per warp and item at d=64, the consumers' most
-  // (Nsight Compute source counters, H200, 8k keys; benchmarks/NOTES.md, 27th session).
-  auto ds_store = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
-  auto thr_ds_store = ds_store.get_thread_slice(thread);
-  Tensor ds_store_dst = thr_ds_store.partition_D(sDsT);  // (CPY, CPY_M, CPY_N, buffer)
   // This consumer's column slice of K^T (all of it where the consumers alternate over items).
   const int dq_slice = Traits::kDqAlternating ? 0 : group;
   Tensor frag_kt = thr_dq.partition_fragment_B(
@@ -361,7 +354,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
         const int buffer = visit & 1;
         Tensor zeros = make_tensor<T>(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{}).layout());
         fill(zeros, T(0));
-        copy(ds_store, thr_ds_store.retile_S(zeros), ds_store_dst(_, _, _, buffer));
+        store_accumulators(mma_sdp, thread, zeros, sDsT(_, _, buffer));
         fence_stores_for_async_proxy();
         meet_at_ds_barrier();
         if (dq_turn(visit)) {
@@ -430,7 +423,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       // Buffer visit & 1 is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
       // barrier, which this consumer has passed.
       const int buffer = visit & 1;
-      copy(ds_store, thr_ds_store.retile_S(score_grads), ds_store_dst(_, _, _, buffer));
+      store_accumulators(mma_sdp, thread, score_grads, sDsT(_, _, buffer));  // stmatrix (fragments.h)
       fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
       // dV first, so that it runs while the consumers meet; then dQ before dK, so that dQ retires first and its
       // staging overlaps dK. On the H200 this order ran the backward 3-9% faster (median 5.5%) than barrier, dV, dK,
@@ -468,12 +461,12 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);
-  copy(dv_out, thr_dkv.partition_C(sV));
+  store_accumulators(mma_dkv, thread, dv_out, sV);
   if constexpr (kFusedDq) named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = sm80::converted<T>(acc_dk);
-  copy(dk_out, thr_dkv.partition_C(sK));
+  store_accumulators(mma_dkv, thread, dk_out, sK);
   named_barrier_sync(kDkdvEpilogueBarrier + group, 128);
   const int rows_begin = group * 64;
   store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);

@@ -507,12 +507,15 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
       return make_tensor(make_smem_ptr(reinterpret_cast<Out*>(smem.q.data())), typename Traits::SmemLayoutQ{});
     }
   }();
-  Tensor frag_so = thr_mma_o.partition_C(sO);
   // The O buffer outlives the tile: this warpgroup's reads of its rows for the previous tile must be done.
   if constexpr (Traits::kOwnOutputBuffer) {
     if (progress.round > 0) named_barrier_sync(kEpilogueBarrier + group, 128);
   }
-  copy(out_frag, frag_so);
+  if constexpr (sizeof(Out) == 2) {
+    store_accumulators(mma_o, thread, out_frag, sO);  // stmatrix (fragments.h)
+  } else {
+    copy(out_frag, thr_mma_o.partition_C(sO));
+  }
   named_barrier_sync(kEpilogueBarrier + group, 128);
 
   const BshdShape q_shape = sm80::query_shape(p);

@@ -26,6 +26,21 @@ __device__ auto sm80_view(Tensor&& t) {
   return make_tensor(t.data(), as_sm80_accumulator(t.layout()));
 }
 
+// Stores `frag` (16-bit values in the shape of `mma`'s accumulators, e.g. sm80::converted of them) into `dst`, the
+// shared-memory tile of the whole MMA (thread `thread` of it), with stmatrix: 8x8 blocks of 16-byte rows, one 32-bit
+// shared address per row. An element-wise copy compiles to one generic 32-bit store per adjacent pair instead, each
+// with its own 64-bit address and swizzle arithmetic (at d=64: 107 instructions per warp for a 64 x 64 dS^T tile,
+// the backward consumers' largest per-item cost; Nsight Compute, benchmarks/NOTES.md, 27th session). dst must hold
+// each row's columns (the MMA's N) in contiguous 16-byte runs: the K-major O, dK and dV tiles, the (key, query) dS^T.
+template <class TiledMma, class Frag, class Dst>
+__device__ __forceinline__ void store_accumulators(TiledMma const& mma, int thread, Frag const& frag, Dst&& dst) {
+  using T = typename std::decay_t<Frag>::value_type;
+  static_assert(sizeof(T) == 2, "stmatrix moves 16-bit values");
+  auto tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma);
+  auto thread_copy = tiled_copy.get_thread_slice(thread);
+  copy(tiled_copy, thread_copy.retile_S(frag), thread_copy.partition_D(dst));
+}
+
 // ((2, 2, N/8), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, N/16 * MMA_N): the register A operand of a
 // 64xKx16 RS WGMMA, whose k16 slice is two adjacent n8 column groups of the accumulator.
 template <class AccLayout>
