@@ -108,8 +108,8 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     }
     transposed_probabilities(scores, coords, smem.lse_log2[stage], scale_log2);
     // P^T first, with a barrier of its own, so that dV's GEMM runs while dS^T is formed and stored. Generic-proxy
-    // stores, fenced before the WGMMAs (async proxy) of both warpgroups read them.
-    copy(sm80::converted<T>(acc_s), thr_sdp.partition_C(sP_mine(_, _, buffer)));
+    // stores (stmatrix), fenced before the WGMMAs (async proxy) of both warpgroups read them.
+    store_accumulators(mma_sdp, thread, sm80::converted<T>(acc_s), sP_mine(_, _, buffer));  // stmatrix
     fence_stores_for_async_proxy();
     named_barrier_sync(kSplitProbsStoredBarrier, Traits::kConsumerThreads);
     Tensor frag_p_item = frag_p(_, _, _, buffer);
@@ -118,7 +118,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     warpgroup_wait<1>();  // dP^T is ready (it was issued before dV's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
-    copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS_mine(_, _, buffer)));
+    store_accumulators(mma_sdp, thread, sm80::converted<T>(acc_dp), sdS_mine(_, _, buffer));
     fence_stores_for_async_proxy();
     named_barrier_sync(kSplitScoreGradsStoredBarrier, Traits::kConsumerThreads);
     // The row-stats stage goes back only now: the dS^T stores above consume every softmax_d value loaded from it,
@@ -136,11 +136,13 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
   // columns of dV and dK there; after a barrier all consumer threads store whole 16-byte row chunks.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
   Tensor dv_out = sm80::converted<T>(acc_dv);
-  copy(dv_out, thr_dkv.partition_C(local_tile(sV, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group))));
+  store_accumulators(mma_dkv, thread, dv_out,
+                     local_tile(sV, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor dk_out = sm80::converted<T>(acc_dk);
-  copy(dk_out, thr_dkv.partition_C(local_tile(sK, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group))));
+  store_accumulators(mma_dkv, thread, dk_out,
+                     local_tile(sK, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
   named_barrier_sync(kSplitEpilogueBarrier, Traits::kConsumerThreads);
   const int consumer_thread = threadIdx.x - 128;
   store_key_rows<Traits>(p, kb, p.dk, &sK, 0, kBlockN, consumer_thread, Traits::kConsumerThreads);
