@@ -110,7 +110,7 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   Tensor mdO = args.tma_do.get_tma_tensor(q_shape);
   Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_D, stage)
   Tensor tdOsdO = tma_do.partition_D(sdO);
-  // Items in order: query heads of the group, then query tiles (KeyBlock::head / m_block).
+  // Items in order: query heads of the group, then query tiles (KeyBlock::tile_of / next_tile).
   auto q_tiles = [&](int64_t head) {  // (TMA, TMA_M, TMA_D, m)
     return tma_q.partition_S(local_tile(mQ(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                         make_coord(_, 0)));

@@ -49,7 +49,7 @@ struct ItemMaskBlocks {
     return m;
   }
 
-  // The cover of item `item` (its query head and tile, KeyBlock::head / m_block), as SliceMaskBlocks::cover says.
+  // The cover of item `item` (its query head and tile, KeyBlock::tile_of), as SliceMaskBlocks::cover says.
   template <class Traits>
   __device__ MaskCover cover(const KeyBlock& kb, int item) const {
     if (first == nullptr) return unsummarised;

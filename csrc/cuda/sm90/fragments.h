@@ -4,6 +4,8 @@
 // sm80 score pipeline and row reductions (a row lives in one quad of lanes) apply once the n8 tiles move out.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "../common/async_proxy_fence.h"
@@ -26,6 +28,13 @@ __device__ auto sm80_view(Tensor&& t) {
   return make_tensor(t.data(), as_sm80_accumulator(t.layout()));
 }
 
+// stmatrix (SM90_U32x4_STSM_N) as a tiled copy of `mma`'s accumulator tile of 16-bit values T; store_accumulators'
+// copy, which csrc/cuda/tests/stmatrix_store_check.cu replays on the CPU for every destination of the kernels.
+template <class T, class TiledMma>
+CUTE_HOST_DEVICE auto accumulator_stmatrix_copy(TiledMma const& mma) {
+  return make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma);
+}
+
 // Stores `frag` (16-bit values in the shape of `mma`'s accumulators, e.g. sm80::converted of them) into `dst`, the
 // shared-memory tile of the whole MMA (thread `thread` of it), with stmatrix: 8x8 blocks of 16-byte rows, one 32-bit
 // shared address per row. An element-wise copy compiles to one generic 32-bit store per adjacent pair instead, each
@@ -36,7 +45,11 @@ template <class TiledMma, class Frag, class Dst>
 __device__ __forceinline__ void store_accumulators(TiledMma const& mma, int thread, Frag const& frag, Dst&& dst) {
   using T = typename std::decay_t<Frag>::value_type;
   static_assert(sizeof(T) == 2, "stmatrix moves 16-bit values");
-  auto tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma);
+  // CuTe applies a shared-memory swizzle to the byte address and would not notice one that moves pieces smaller than
+  // a 16-byte row (the copy's recast ignores it): the GMMA swizzles move 16-byte units or more.
+  using Swizzle = get_swizzle_t<std::remove_cvref_t<Dst>>;
+  static_assert(Swizzle::num_bits == 0 || Swizzle::num_base >= 4, "stmatrix writes whole 16-byte rows");
+  auto tiled_copy = accumulator_stmatrix_copy<T>(mma);
   auto thread_copy = tiled_copy.get_thread_slice(thread);
   copy(tiled_copy, thread_copy.retile_S(frag), thread_copy.partition_D(dst));
 }
