@@ -47,8 +47,8 @@ __device__ __forceinline__ void store_accumulators(TiledMma const& mma, int thre
   static_assert(sizeof(T) == 2, "stmatrix moves 16-bit values");
   // CuTe applies a shared-memory swizzle to the byte address and would not notice one that moves pieces smaller than
   // a 16-byte row (the copy's recast ignores it): the GMMA swizzles move 16-byte units or more.
-  using Swizzle = get_swizzle_t<std::remove_cvref_t<Dst>>;
-  static_assert(Swizzle::num_bits == 0 || Swizzle::num_base >= 4, "stmatrix writes whole 16-byte rows");
+  using DstSwizzle = get_swizzle_t<std::remove_cv_t<std::remove_reference_t<Dst>>>;
+  static_assert(DstSwizzle::num_bits == 0 || DstSwizzle::num_base >= 4, "stmatrix writes whole 16-byte rows");
   auto tiled_copy = accumulator_stmatrix_copy<T>(mma);
   auto thread_copy = tiled_copy.get_thread_slice(thread);
   copy(tiled_copy, thread_copy.retile_S(frag), thread_copy.partition_D(dst));
