@@ -419,6 +419,10 @@ def test_backward_sm90_persistent_grid(feature, head_dim, dq_mode, monkeypatch):
     it), and so is dQ when deterministic (its own pass); fused dQ (bulk float adds in any order) within the bound.
     Any other switch value is an error naming the variable."""
     use_backward_kernel(monkeypatch, "sm90", head_dim, feature)
+    built = os.environ.get("JAX_FLASH_CUDA_SM90_HEAD_DIMS")  # set when the build being tested was narrowed by it
+    if head_dim == 96 and built and "96" not in built.split(";"):
+        pytest.skip("no d=96 sm90 kernels in this build: d=96 would run the d=128 dK/dV kernel, which has no "
+                    "persistent grid")
     deterministic = dq_mode == "deterministic"
     case = Case(batch=2, seqlen_q=700, seqlen_k=900, heads_q=8, heads_kv=2, head_dim=head_dim, dtype=jnp.bfloat16,
                 seed=head_dim + len(feature) + 7)
