@@ -9,19 +9,10 @@ import subprocess
 
 import pytest
 
+from cpu_checks import cutlass_include
+
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "tests", "keep_bits_check.cc")
 CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
-
-
-def _cutlass_include():
-    if os.path.isdir(os.path.join(os.environ.get("CUTLASS_INCLUDE_DIR", ""), "cute")):
-        return os.environ["CUTLASS_INCLUDE_DIR"]
-    try:
-        import cutlass_library
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-    return path if os.path.isdir(os.path.join(path, "cute")) else None
 
 
 def _cuda_include():
@@ -37,7 +28,7 @@ def _cuda_include():
 
 
 def test_batched_keep_bits_equal_the_single_element_definition(tmp_path):
-    cutlass, cuda = _cutlass_include(), _cuda_include()
+    cutlass, cuda = cutlass_include(), _cuda_include()
     if shutil.which("g++") is None or cutlass is None or cuda is None:
         pytest.skip("needs g++, the CUTLASS headers (nvidia-cutlass) and the CUDA toolkit headers")
     binary = tmp_path / "keep_bits_check"
