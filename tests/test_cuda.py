@@ -252,6 +252,27 @@ def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
+@pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
+@pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_sm90_wide_keys_tile(dtype, feature, grid, monkeypatch):
+    """JAX_FLASH_SM90_WIDE_KEYS=1 runs the common form's d=128 calls on the 176-key tile (kernel_traits.h
+    RowTile::kWideKeys; off by default until measured). 700 and 1000 keys end in a partial 176-key tile (the first one
+    each row block visits); checked against the accuracy bound (its rows rescale at other key steps than the
+    128-key tile's), lse included; a bad value is an error naming the variable."""
+    use_forward_kernel(monkeypatch, "sm90", 128)
+    monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=700 if feature == "none" else 1000, heads_q=4, heads_kv=2,
+                head_dim=128, dtype=dtype, seed=53 + len(feature))
+    check_forward_on_gpu(case, **feature_kwargs(feature, case))
+    monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "2")
+    q, k, v = _on(GPUS[0], *case.inputs())
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_WIDE_KEYS"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
 def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
     if not _is_hopper():
         pytest.skip("needs a compute capability 9.x GPU")

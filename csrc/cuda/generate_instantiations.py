@@ -19,6 +19,9 @@ SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/kernel_traits
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
 # The Hopper forward's kernel forms (sm90/forward_variant.h), one translation unit each so they compile in parallel.
 SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
+# Head dims with a 176-key forward tile (sm90/kernel_traits.h RowTile::kWideKeys): their common-form units include
+# wide_keys_mma.h (the extended WGMMA shapes) first.
+SM90_WIDE_KEYS_HEAD_DIMS = (128,)
 SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVariant::{form}>(const AttentionParams&, "
                      "cudaStream_t);")
 # The Hopper TF32 forward (float32 inputs; sm90/kernel_traits.h tf32_forward_tile), built with the bf16/fp16 forward
@@ -61,8 +64,12 @@ def main() -> None:
                                    declaration=SM90_FORWARD.format(d=d, t=cpp))
             files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}.cu"] = text
             for name, form in SM90_FORWARD_FORMS.items():
+                wide = d in SM90_WIDE_KEYS_HEAD_DIMS and name == "common"
                 text = TEMPLATE.format(header="forward_launch.h", family="sm90",
                                        declaration=SM90_FORWARD_FORM.format(d=d, t=cpp, form=form))
+                if wide:
+                    text = text.replace('#include "../forward_launch.h"',
+                                        '#include "../wide_keys_mma.h"\n#include "../forward_launch.h"')
                 files[root / "sm90" / "instantiations" / f"forward_hdim{d}_{short}_{name}.cu"] = text
     for d in SM90_TF32_HEAD_DIMS:  # like the bf16/fp16 units above, element cutlass::tfloat32_t
         cpp = "cutlass::tfloat32_t"

@@ -165,6 +165,13 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
                             three_per_sm);
 }
 
+// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the 176-key tile (kernel_traits.h RowTile::kWideKeys) for
+// common-form calls of a head dim that has one and more than 64 query rows: "1" always, "0" never; unset, "" or
+// "auto" never for now (not yet measured against the 128-key tile; benchmarks/bench_env_ab.py decides).
+inline std::string wide_keys_switch(bool* wide_keys) {
+  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", false, wide_keys);
+}
+
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
@@ -252,6 +259,14 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
                                                                                               max_ctas, stream);
         }
         return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSm>, kVariant>(p, persistent, max_ctas,
+                                                                                          stream);
+      }
+    }
+    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
+      bool wide_keys = false;
+      if (std::string err = wide_keys_switch(&wide_keys); !err.empty()) return err;
+      if (wide_keys) {
+        return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kWideKeys>, kVariant>(p, persistent, max_ctas,
                                                                                           stream);
       }
     }

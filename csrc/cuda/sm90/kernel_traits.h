@@ -54,10 +54,14 @@ struct ForwardTile {
 //    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
 //    two CTAs run unrelated tiles, so one's serial parts overlap the other's main loop. At d=64 short tiles are
 //    mostly serial parts (forward_launch.h says where this tile is used).
+//  - kWideKeys: d=128 with 176-key stages (S is 64 x 176 per consumer: 88 floats, P 44 registers, O 64), two stages
+//    (Q 32 + 2 x 2 x 44 = 208 KiB, O staged in Q's buffer). A wider S amortises each tile's fixed costs (the
+//    pipeline waits, the turn barriers, the softmax's per-row reductions and the O rescale) over more keys; FA3
+//    runs this shape for its non-causal d=128 forward. Chosen by forward_launch.h wide_keys_switch.
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
-enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm };
+enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
@@ -67,8 +71,9 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
                     : rows == RowTile::kThreePerSm ? ForwardTile{64, 64, 3, 3}  //   8 + 48 (+ 8 O) = 64 KiB
                                                  : ForwardTile{128, 128, 3};    //  16 + 96 (+ 16 O) = 128 KiB
     case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
-    case 128: return rows == RowTile::kShort ? ForwardTile{64, 128, 3}     //  16 + 192 (+ 16 O) = 224 KiB
-                                             : ForwardTile{128, 128, 2};   //  32 + 128 (+ 32 O) = 192 KiB
+    case 128: return rows == RowTile::kShort      ? ForwardTile{64, 128, 3}    //  16 + 192 (+ 16 O) = 224 KiB
+                     : rows == RowTile::kWideKeys ? ForwardTile{128, 176, 2}   //  32 + 176 = 208 KiB (O in Q)
+                                                  : ForwardTile{128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
     case 192: return {128, 64, 2};   //  48 + 96 (+ 48 O) = 192 KiB; O 96 registers, S 32 + 32, P 16
     default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
   }
@@ -99,9 +104,25 @@ constexpr auto k_major_smem_atom() {
   }
 }
 
-// A head dim whose common form has a tile of its own for `rows`.
+// A head dim whose common form has a tile of its own for `rows` (one that differs from its standard tile).
 constexpr bool has_row_tile(int head_dim, RowTile rows) {
-  return forward_tile(head_dim, rows).block_m != forward_tile(head_dim).block_m;
+  const ForwardTile mine = forward_tile(head_dim, rows), standard = forward_tile(head_dim);
+  return mine.block_m != standard.block_m || mine.block_n != standard.block_n || mine.stages != standard.stages ||
+         mine.ctas_per_sm != standard.ctas_per_sm;
+}
+
+// The 176-key tile's Q K^T atom, defined by wide_keys_mma.h (which says why it is not included here).
+template <class Element>
+struct WideScoreMma;
+
+// Q K^T's MMA atom: CuTe's pick for the tile's N, except the 176-key tile's (WideScoreMma).
+template <class Element, class BlockMNK>
+constexpr auto score_mma_atom() {
+  if constexpr (size<1>(BlockMNK{}) == 176) {
+    return typename WideScoreMma<Element>::Atom{};
+  } else {
+    return GMMA::ss_op_selector<Element, Element, float, BlockMNK>();
+  }
 }
 
 template <int kHeadDim_, class Element_, RowTile kRows = RowTile::kStandard>
@@ -135,8 +156,7 @@ struct ForwardTraits {
   using BlockMKN = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;   // consumer warpgroups stacked along M
   // Both operands of Q K^T from shared memory; P V takes P from registers and V^T (MN-major) from smem.
-  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, BlockMNK>(),
-                                            GroupLayout{}));
+  using TiledMmaS = decltype(make_tiled_mma(score_mma_atom<Element, BlockMNK>(), GroupLayout{}));
   using TiledMmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, BlockMKN, GMMA::Major::K,
                            kTf32 ? GMMA::Major::K : GMMA::Major::MN>(),
