@@ -252,20 +252,22 @@ def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
-@pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
+@pytest.mark.parametrize("grid", ("persistent-2-ctas", "per-tile"))
 @pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_sm90_wide_keys_tile(dtype, feature, grid, monkeypatch):
-    """JAX_FLASH_SM90_WIDE_KEYS=1 runs the common form's d=128 calls on the 176-key tile (kernel_traits.h
-    RowTile::kWideKeys; off by default until measured). 700 and 1000 keys end in a partial 176-key tile (the first one
-    each row block visits); checked against the accuracy bound (its rows rescale at other key steps than the
-    128-key tile's), lse included; a bad value is an error naming the variable."""
-    use_forward_kernel(monkeypatch, "sm90", 128)
+@pytest.mark.parametrize("head_dim", (128, 192, 256))
+def test_sm90_wide_keys_tile(head_dim, feature, grid, monkeypatch):
+    """JAX_FLASH_SM90_WIDE_KEYS=1 runs the common form's d=128/192/256 calls on their wide-keys tiles (kernel_traits.h
+    RowTile::kWideKeys: 176/112/80-key stages; off by default until measured). 700 and 1000 keys end in a partial key
+    tile (the first one each row block visits). Checked against the accuracy bound (rows rescale at other key steps
+    than on the standard tile), lse included, float16 for the causal case; a bad value is an error naming the
+    variable."""
+    use_forward_kernel(monkeypatch, "sm90", head_dim)
     monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
     case = Case(batch=2, seqlen_q=1000, seqlen_k=700 if feature == "none" else 1000, heads_q=4, heads_kv=2,
-                head_dim=128, dtype=dtype, seed=53 + len(feature))
+                head_dim=head_dim, dtype=jnp.float16 if feature == "causal" else jnp.bfloat16,
+                seed=head_dim + len(feature))
     check_forward_on_gpu(case, **feature_kwargs(feature, case))
     monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "2")
     q, k, v = _on(GPUS[0], *case.inputs())

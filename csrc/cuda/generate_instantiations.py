@@ -21,7 +21,7 @@ SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cud
 SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
 # Head dims with a 176-key forward tile (sm90/kernel_traits.h RowTile::kWideKeys): their common-form units include
 # wide_keys_mma.h (the extended WGMMA shapes) first.
-SM90_WIDE_KEYS_HEAD_DIMS = (128,)
+SM90_WIDE_KEYS_HEAD_DIMS = (128, 192, 256)
 SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVariant::{form}>(const AttentionParams&, "
                      "cudaStream_t);")
 # The Hopper TF32 forward (float32 inputs; sm90/kernel_traits.h tf32_forward_tile), built with the bf16/fp16 forward

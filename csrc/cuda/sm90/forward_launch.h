@@ -165,7 +165,7 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
                             three_per_sm);
 }
 
-// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the 176-key tile (kernel_traits.h RowTile::kWideKeys) for
+// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tile (kernel_traits.h RowTile::kWideKeys) for
 // common-form calls of a head dim that has one and more than 64 query rows: "1" always, "0" never; unset, "" or
 // "auto" never for now (not yet measured against the 128-key tile; benchmarks/bench_env_ab.py decides).
 inline std::string wide_keys_switch(bool* wide_keys) {

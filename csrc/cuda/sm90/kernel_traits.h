@@ -54,10 +54,11 @@ struct ForwardTile {
 //    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
 //    two CTAs run unrelated tiles, so one's serial parts overlap the other's main loop. At d=64 short tiles are
 //    mostly serial parts (forward_launch.h says where this tile is used).
-//  - kWideKeys: d=128 with 176-key stages (S is 64 x 176 per consumer: 88 floats, P 44 registers, O 64), two stages
-//    (Q 32 + 2 x 2 x 44 = 208 KiB, O staged in Q's buffer). A wider S amortises each tile's fixed costs (the
-//    pipeline waits, the turn barriers, the softmax's per-row reductions and the O rescale) over more keys; FA3
-//    runs this shape for its non-causal d=128 forward. Chosen by forward_launch.h wide_keys_switch.
+//  - kWideKeys: wider key stages than the standard tile, as wide as two stages and Q fit in shared memory (O staged
+//    in Q's buffer): d=128 176 keys (S 88 floats per consumer thread, P 44 registers, O 64), d=192 112 keys (S 56,
+//    P 28, O 96), d=256 80 keys (S 40, P 20, O 128). A wider S spreads each key tile's fixed costs (the pipeline
+//    waits, the turn barriers, the softmax's per-row reductions, the O rescale) over more keys; FA3 runs these
+//    widths for its non-causal forward. Chosen by forward_launch.h wide_keys_switch.
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
@@ -74,8 +75,10 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
     case 128: return rows == RowTile::kShort      ? ForwardTile{64, 128, 3}    //  16 + 192 (+ 16 O) = 224 KiB
                      : rows == RowTile::kWideKeys ? ForwardTile{128, 176, 2}   //  32 + 176 = 208 KiB (O in Q)
                                                   : ForwardTile{128, 128, 2};  //  32 + 128 (+ 32 O) = 192 KiB
-    case 192: return {128, 64, 2};   //  48 + 96 (+ 48 O) = 192 KiB; O 96 registers, S 32 + 32, P 16
-    default: return {128, 64, 2};    // 256: 64 + 128 = 192 KiB (O staged in Q); O alone is 128 registers per thread
+    case 192: return rows == RowTile::kWideKeys ? ForwardTile{128, 112, 2}  //  48 + 168 = 216 KiB (O in Q)
+                                                : ForwardTile{128, 64, 2};  //  48 + 96 (+ 48 O) = 192 KiB
+    default: return rows == RowTile::kWideKeys ? ForwardTile{128, 80, 2}    // 256: 64 + 160 = 224 KiB (O in Q)
+                                               : ForwardTile{128, 64, 2};   // 256: 64 + 128 = 192 KiB (O in Q)
   }
 }
 
@@ -111,17 +114,24 @@ constexpr bool has_row_tile(int head_dim, RowTile rows) {
          mine.ctas_per_sm != standard.ctas_per_sm;
 }
 
-// The 176-key tile's Q K^T atom, defined by wide_keys_mma.h (which says why it is not included here).
-template <class Element>
+// Key-tile widths that CuTe's ss_op_selector covers with one WGMMA per k step without its extended shapes.
+constexpr bool has_standard_wgmma_n(int n) {
+  return n == 8 || n == 16 || n == 32 || n == 64 || n == 96 || n == 128 || n == 192 || n == 256;
+}
+
+// The Q K^T atom of the other widths (the wide-keys tiles), defined by wide_keys_mma.h, which says why it is not
+// included here.
+template <class Element, int kBlockN>
 struct WideScoreMma;
 
-// Q K^T's MMA atom: CuTe's pick for the tile's N, except the 176-key tile's (WideScoreMma).
+// Q K^T's MMA atom: one 64 x kBlockN x 16 WGMMA per k step.
 template <class Element, class BlockMNK>
 constexpr auto score_mma_atom() {
-  if constexpr (size<1>(BlockMNK{}) == 176) {
-    return typename WideScoreMma<Element>::Atom{};
-  } else {
+  constexpr int kBlockN = size<1>(BlockMNK{});
+  if constexpr (has_standard_wgmma_n(kBlockN) || is_tf32<Element>) {
     return GMMA::ss_op_selector<Element, Element, float, BlockMNK>();
+  } else {
+    return typename WideScoreMma<Element, kBlockN>::Atom{};
   }
 }
 
