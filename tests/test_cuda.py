@@ -254,15 +254,17 @@ def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
 
 @pytest.mark.parametrize("grid", ("persistent-2-ctas", "per-tile"))
 @pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
-@pytest.mark.parametrize("head_dim", (128, 192, 256))
+@pytest.mark.parametrize("head_dim", (64, 128, 192, 256))
 def test_sm90_wide_keys_tile(head_dim, feature, grid, monkeypatch):
-    """JAX_FLASH_SM90_WIDE_KEYS=1 runs the common form's d=128/192/256 calls on their wide-keys tiles (kernel_traits.h
-    RowTile::kWideKeys: 176/112/80-key stages; off by default until measured). 700 and 1000 keys end in a partial key
-    tile (the first one each row block visits). Checked against the accuracy bound (rows rescale at other key steps
-    than on the standard tile), lse included, float16 for the causal case; a bad value is an error naming the
-    variable."""
+    """JAX_FLASH_SM90_WIDE_KEYS=1 runs the common form's calls on the wide-keys tiles (kernel_traits.h
+    RowTile::kWideKeys: d=64/128/192/256 192/176/112/80-key stages; at d=64 also kTwoPerSmWideKeys, taken here on the
+    persistent grid and the 128-row one on the per-tile grid; off by default until measured). 700 and 1000 keys end in
+    a partial key tile (the first one each row block visits). Checked against the accuracy bound (rows rescale at
+    other key steps than on the standard tile), lse included, float16 for the causal case; a bad value is an error
+    naming the variable."""
     use_forward_kernel(monkeypatch, "sm90", head_dim)
     monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "0" if grid == "per-tile" else "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
     case = Case(batch=2, seqlen_q=1000, seqlen_k=700 if feature == "none" else 1000, heads_q=4, heads_kv=2,

@@ -165,9 +165,10 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
                             three_per_sm);
 }
 
-// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tile (kernel_traits.h RowTile::kWideKeys) for
-// common-form calls of a head dim that has one and more than 64 query rows: "1" always, "0" never; unset, "" or
-// "auto" never for now (not yet measured against the 128-key tile; benchmarks/bench_env_ab.py decides).
+// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (kernel_traits.h RowTile::kWideKeys, and
+// at d=64 kTwoPerSmWideKeys where the two-per-SM tile runs) for common-form calls of a head dim that has them and
+// more than 64 query rows: "1" always (at d=64 also in place of the long-rows tile), "0" never; unset, "" or "auto"
+// never for now (not yet measured against the standard tiles; benchmarks/bench_env_ab.py decides).
 inline std::string wide_keys_switch(bool* wide_keys) {
   return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", false, wide_keys);
 }
@@ -248,6 +249,10 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
         return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
       }
     }
+    bool wide_keys = false;
+    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
+      if (std::string err = wide_keys_switch(&wide_keys); !err.empty()) return err;
+    }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kTwoPerSm)) {
       bool two_per_sm = false;
       if (std::string err = two_per_sm_switch(p, &two_per_sm); !err.empty()) return err;
@@ -258,13 +263,17 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
           return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSm>, kVariant>(p, persistent,
                                                                                               max_ctas, stream);
         }
+        if constexpr (has_row_tile(kHeadDim, RowTile::kTwoPerSmWideKeys)) {
+          if (wide_keys) {
+            return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSmWideKeys>, kVariant>(
+                p, persistent, max_ctas, stream);
+          }
+        }
         return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSm>, kVariant>(p, persistent, max_ctas,
                                                                                           stream);
       }
     }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
-      bool wide_keys = false;
-      if (std::string err = wide_keys_switch(&wide_keys); !err.empty()) return err;
       if (wide_keys) {
         return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kWideKeys>, kVariant>(p, persistent, max_ctas,
                                                                                           stream);

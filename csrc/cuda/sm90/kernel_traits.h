@@ -56,13 +56,14 @@ struct ForwardTile {
 //    mostly serial parts (forward_launch.h says where this tile is used).
 //  - kWideKeys: wider key stages than the standard tile, as wide as two stages and Q fit in shared memory (O staged
 //    in Q's buffer): d=128 176 keys (S 88 floats per consumer thread, P 44 registers, O 64), d=192 112 keys (S 56,
-//    P 28, O 96), d=256 80 keys (S 40, P 20, O 128). A wider S spreads each key tile's fixed costs (the pipeline
+//    P 28, O 96), d=256 80 keys (S 40, P 20, O 128); d=64 192 keys (S 96, P 48, O 32; O has its own buffer), and
+//    kTwoPerSmWideKeys, the two-per-SM tile with 192-key stages. A wider S spreads each key tile's fixed costs (the pipeline
 //    waits, the turn barriers, the softmax's per-row reductions, the O rescale) over more keys; FA3 runs these
 //    widths for its non-causal forward. Chosen by forward_launch.h wide_keys_switch.
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
-enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys };
+enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
@@ -70,6 +71,8 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
                     : rows == RowTile::kShort    ? ForwardTile{64, 128, 4}      //   8 + 128 (+ 8 O) = 144 KiB
                     : rows == RowTile::kTwoPerSm ? ForwardTile{64, 128, 2, 2}   //   8 + 64 (+ 8 O) = 80 KiB
                     : rows == RowTile::kThreePerSm ? ForwardTile{64, 64, 3, 3}  //   8 + 48 (+ 8 O) = 64 KiB
+                    : rows == RowTile::kWideKeys ? ForwardTile{128, 192, 2}     //  16 + 96 (+ 16 O) = 128 KiB
+                    : rows == RowTile::kTwoPerSmWideKeys ? ForwardTile{64, 192, 2, 2}  // 8 + 96 (+ 8 O) = 112 KiB
                                                  : ForwardTile{128, 128, 3};    //  16 + 96 (+ 16 O) = 128 KiB
     case 96: return {128, 128, 3};   //  24 + 144 (+ 24 O) = 192 KiB; O 48 registers, S 64 + 64, P 32
     case 128: return rows == RowTile::kShort      ? ForwardTile{64, 128, 3}    //  16 + 192 (+ 16 O) = 224 KiB
