@@ -265,6 +265,7 @@ def test_sm90_wide_keys_tile(head_dim, feature, grid, monkeypatch):
     use_forward_kernel(monkeypatch, "sm90", head_dim)
     monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "1")
     monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "0" if grid == "per-tile" else "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_THREE_PER_SM", "0")  # else short causal d=64 calls take the three-per-SM tile
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
     case = Case(batch=2, seqlen_q=1000, seqlen_k=700 if feature == "none" else 1000, heads_q=4, heads_kv=2,
