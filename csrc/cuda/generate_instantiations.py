@@ -19,8 +19,8 @@ SM90_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/kernel_traits
 SM90_FORWARD = "std::string launch_forward<{d}, {t}>(const AttentionParams&, cudaStream_t);"
 # The Hopper forward's kernel forms (sm90/forward_variant.h), one translation unit each so they compile in parallel.
 SM90_FORWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "dense": "kDense"}
-# Head dims with a 176-key forward tile (sm90/kernel_traits.h RowTile::kWideKeys): their common-form units include
-# wide_keys_mma.h (the extended WGMMA shapes) first.
+# Head dims whose wide-keys forward tile (sm90/kernel_traits.h RowTile::kWideKeys) has a width CuTe covers only with
+# its extended WGMMA shapes (176/112/80 keys): their common-form units include wide_keys_mma.h first.
 SM90_WIDE_KEYS_HEAD_DIMS = (128, 192, 256)
 SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVariant::{form}>(const AttentionParams&, "
                      "cudaStream_t);")

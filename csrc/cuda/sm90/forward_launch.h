@@ -167,8 +167,9 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
 
 // JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (kernel_traits.h RowTile::kWideKeys, and
 // at d=64 kTwoPerSmWideKeys where the two-per-SM tile runs) for common-form calls of a head dim that has them and
-// more than 64 query rows: "1" always (at d=64 also in place of the long-rows tile), "0" never; unset, "" or "auto"
-// never for now (not yet measured against the standard tiles; benchmarks/bench_env_ab.py decides).
+// more than 64 query rows: "1" always (at d=64 also in place of the long-rows tile, but not of the three-per-SM tile
+// where that one runs), "0" never; unset, "" or "auto" never for now (not yet measured against the standard tiles;
+// benchmarks/bench_env_ab.py decides).
 inline std::string wide_keys_switch(bool* wide_keys) {
   return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", false, wide_keys);
 }

@@ -62,7 +62,8 @@ struct ForwardTile {
 //    widths for its non-causal forward. Chosen by forward_launch.h wide_keys_switch.
 // d=96 and d=192 have tiles of their own (a call with head_dim 96 used to run the d=128 kernel on zero-padded
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
-// narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own.
+// narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own (its
+// wide-keys tile does not).
 enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
@@ -193,7 +194,8 @@ struct ForwardTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  // O is staged in shared memory for 16-byte row stores. Where a buffer of its own fits (head dims 64 and 128),
+  // O is staged in shared memory for 16-byte row stores. Where a buffer of its own fits (the standard tiles of head
+  // dims 64, 96, 128 and 192; not d=256 nor the wide-keys tiles of d >= 128),
   // a tile's Q buffer is free as soon as its last Q K^T has retired, so a persistent CTA loads the next tile's Q
   // during this tile's last P V and epilogue; otherwise (256) O is staged in Q's buffer and frees it only after
   // the epilogue.
