@@ -10,6 +10,13 @@ import pytest
 _CSRC = os.path.join(os.path.dirname(__file__), "..", "csrc")
 
 
+def _expect_all_ok(binary) -> None:
+    """Runs a built check and asserts it passed (exit 0 and ALL OK)."""
+    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "ALL OK" in result.stdout
+
+
 def run_cpu_check(source_name: str, tmp_path) -> None:
     """Compiles csrc/cuda/tests/<source_name> with g++ (skips without it), runs it and asserts it passed."""
     if shutil.which("g++") is None:
@@ -18,9 +25,7 @@ def run_cpu_check(source_name: str, tmp_path) -> None:
     binary = tmp_path / os.path.splitext(source_name)[0]
     subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{_CSRC}", source, "-o", str(binary)], check=True,
                    capture_output=True, text=True)
-    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "ALL OK" in result.stdout
+    _expect_all_ok(binary)
 
 
 def cutlass_include():
@@ -46,6 +51,4 @@ def run_nvcc_host_check(source_name: str, tmp_path) -> None:
     build = subprocess.run(["nvcc", "-std=c++17", "--expt-relaxed-constexpr", "-O1", "-w", f"-I{_CSRC}",
                             f"-I{cutlass}", source, "-o", str(binary)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
-    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "ALL OK" in result.stdout
+    _expect_all_ok(binary)
