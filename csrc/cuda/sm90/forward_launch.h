@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -165,13 +166,25 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
                             three_per_sm);
 }
 
-// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (kernel_traits.h RowTile::kWideKeys, and
-// at d=64 kTwoPerSmWideKeys where the two-per-SM tile runs) for common-form calls of a head dim that has them and
-// more than 64 query rows: "1" always (at d=64 also in place of the long-rows tile, but not of the three-per-SM tile
-// where that one runs), "0" never; unset, "" or "auto" never for now (not yet measured against the standard tiles;
-// benchmarks/bench_env_ab.py decides).
-inline std::string wide_keys_switch(bool* wide_keys) {
-  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", false, wide_keys);
+// The wide-keys tiles (kernel_traits.h RowTile::kWideKeys: 176/112/80 keys per stage at d=128/192/256 against 128)
+// halve the softmax rescales and WGMMA issues per key but hold two K/V stages, so they pay once a row tile walks
+// many key tiles. On the H200 (bf16, 16k tokens, 2048 = heads * head_dim; bench_env_ab.py,
+// results/env_ab_NVIDIA_H200_2026-12-04_widekeys_s29.json), wide against standard: d=128 non-causal 1k..16k 0.90,
+// 0.94, 0.97, 1.01, 1.03, causal 0.87, 0.94, 0.98, 0.99, 1.04; d=192 non-causal 0.97, 1.04, 1.10, 1.07, 1.14, causal
+// 0.98, 1.03, 1.07, 1.09, 1.08; d=256 non-causal 1.00, 1.04, 1.04, 1.03, 1.07, causal 0.98, 1.00, 1.03, 1.05, 1.01;
+// d=64 (192-key stages) 0.89-1.01, mostly below: never by default there.
+constexpr int64_t wide_keys_min_seqlen_k(int head_dim) {
+  return head_dim == 128 ? 8192 + 1 : head_dim == 192 || head_dim == 256 ? 2048 : std::numeric_limits<int64_t>::max();
+}
+
+// JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (and at d=64 kTwoPerSmWideKeys where the
+// two-per-SM tile runs) for common-form calls of a head dim that has them and more than 64 query rows: unset, "" or
+// "auto" from the key lengths above, "1" always (at d=64 also in place of the long-rows tile, but not of the
+// three-per-SM tile where that one runs), "0" never.
+// kernel_head_dim is the tile's (a narrowed build runs d=96 calls on the d=128 kernels).
+inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& p, bool* wide_keys) {
+  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", p.seqlen_k >= wide_keys_min_seqlen_k(kernel_head_dim),
+                            wide_keys);
 }
 
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
@@ -252,7 +265,7 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
     }
     bool wide_keys = false;
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
-      if (std::string err = wide_keys_switch(&wide_keys); !err.empty()) return err;
+      if (std::string err = wide_keys_switch(kHeadDim, p, &wide_keys); !err.empty()) return err;
     }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kTwoPerSm)) {
       bool two_per_sm = false;

@@ -297,7 +297,7 @@ fi
 
 run_stage() {
   case $1 in
-    build) stage build 420 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
+    build) stage build 500 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
     check) stage check 120 "$check" ;;
     check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;
     sanitize) stage sanitize 240 sanitize ;;
