@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <limits>
 #include <string>
 
 #include "../../common/attention_params.h"
@@ -173,8 +172,9 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
 // 0.94, 0.97, 1.01, 1.03, causal 0.87, 0.94, 0.98, 0.99, 1.04; d=192 non-causal 0.97, 1.04, 1.10, 1.07, 1.14, causal
 // 0.98, 1.03, 1.07, 1.09, 1.08; d=256 non-causal 1.00, 1.04, 1.04, 1.03, 1.07, causal 0.98, 1.00, 1.03, 1.05, 1.01;
 // d=64 (192-key stages) 0.89-1.01, mostly below: never by default there.
-constexpr int64_t wide_keys_min_seqlen_k(int head_dim) {
-  return head_dim == 128 ? 8192 + 1 : head_dim == 192 || head_dim == 256 ? 2048 : std::numeric_limits<int64_t>::max();
+constexpr bool wide_keys_by_default(int head_dim, int64_t seqlen_k) {
+  if (head_dim == 128) return seqlen_k > 8192;
+  return (head_dim == 192 || head_dim == 256) && seqlen_k >= 2048;
 }
 
 // JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (and at d=64 kTwoPerSmWideKeys where the
@@ -183,8 +183,7 @@ constexpr int64_t wide_keys_min_seqlen_k(int head_dim) {
 // three-per-SM tile where that one runs), "0" never.
 // kernel_head_dim is the tile's (a narrowed build runs d=96 calls on the d=128 kernels).
 inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& p, bool* wide_keys) {
-  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", p.seqlen_k >= wide_keys_min_seqlen_k(kernel_head_dim),
-                            wide_keys);
+  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", wide_keys_by_default(kernel_head_dim, p.seqlen_k), wide_keys);
 }
 
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
