@@ -241,9 +241,13 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int thread = threadIdx.x - 128;  // among all consumer threads
+  // The smem descriptors are the same for every thread of a warpgroup: sliced with its first thread and built from
+  // warp-uniform buffer and stage indices (fragments.h warp_uniform). The accumulators use `thread`.
+  const int descriptor_thread = warp_uniform(group * 128);
+  const int kv_buffer = warp_uniform(kv.buffer);
 
-  Tensor sK = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv.buffer)), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.v, kv.buffer)), typename Traits::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv_buffer)), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.v, kv_buffer)), typename Traits::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
@@ -252,13 +256,14 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaDkv mma_dkv;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
-  auto thr_dkv = mma_dkv.get_thread_slice(thread);
-  Tensor frag_k = thr_sdp.partition_fragment_A(sK);     // smem descriptors
-  Tensor frag_v = thr_sdp.partition_fragment_A(sV);
-  Tensor frag_q = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_do = thr_sdp.partition_fragment_B(sdO);
-  Tensor frag_qt = thr_dkv.partition_fragment_B(sQt);   // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_dot = thr_dkv.partition_fragment_B(sdOt);
+  auto desc_sdp = mma_sdp.get_thread_slice(descriptor_thread);
+  auto desc_dkv = mma_dkv.get_thread_slice(descriptor_thread);
+  Tensor frag_k = desc_sdp.partition_fragment_A(sK);     // smem descriptors
+  Tensor frag_v = desc_sdp.partition_fragment_A(sV);
+  Tensor frag_q = desc_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_do = desc_sdp.partition_fragment_B(sdO);
+  Tensor frag_qt = desc_dkv.partition_fragment_B(sQt);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_dot = desc_dkv.partition_fragment_B(sdOt);
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -273,16 +278,16 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // this consumer's column slice of K^T as the B operand.
   Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
   Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDsT{});
-  Tensor sKt = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv.buffer)), typename Traits::SmemLayoutKt{});
+  Tensor sKt = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.k, kv_buffer)), typename Traits::SmemLayoutKt{});
   constexpr int kDqCols = Traits::kDqCols;
   typename Traits::TiledMmaDq mma_dq;
   static_assert(!kFusedDq ||
                 dq_fragments_are_column_grouped<typename Traits::TiledMmaDq, kBlockM, kDqCols>());  // staged order
-  auto thr_dq = mma_dq.get_thread_slice(thread % 128);
-  Tensor frag_ds = thr_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
+  auto desc_dq = mma_dq.get_thread_slice(descriptor_thread % 128);
+  Tensor frag_ds = desc_dq.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffer)
   // This consumer's column slice of K^T (all of it where the consumers alternate over items).
   const int dq_slice = Traits::kDqAlternating ? 0 : group;
-  Tensor frag_kt = thr_dq.partition_fragment_B(
+  Tensor frag_kt = desc_dq.partition_fragment_B(
       local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(dq_slice, 0)));
 
   // The query tiles that can see this consumer's 64 keys by position. In the others (above a causal diagonal: the
@@ -333,7 +338,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   const int visits = reads_boolean_mask(kForm) ? INT_MAX : kb.items;
   ItemTile next = kb.first_tile();
   for (int walked = 0; walked < visits; ++walked, ++visit) {
-    const int stage = read.index();
+    const int stage = warp_uniform(read.index());
     ItemTile tile = next;
     next = kb.next_tile(next);
     [[maybe_unused]] const bool* mask_tile = nullptr;
@@ -351,7 +356,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
       pipeline_qdo.consumer_wait(read);
       if constexpr (!reads_boolean_mask(kForm)) pipeline_stats.consumer_wait(read);
       if constexpr (kFusedDq) {
-        const int buffer = visit & 1;
+        const int buffer = warp_uniform(visit & 1);
         Tensor zeros = make_tensor<T>(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{}).layout());
         fill(zeros, T(0));
         store_accumulators(mma_sdp, thread, zeros, sDsT(_, _, buffer));
@@ -422,7 +427,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
     if constexpr (kFusedDq) {
       // Buffer visit & 1 is free: both consumers retired its item - 2 dQ GEMM before arriving at item - 1's
       // barrier, which this consumer has passed.
-      const int buffer = visit & 1;
+      const int buffer = warp_uniform(visit & 1);
       store_accumulators(mma_sdp, thread, score_grads, sDsT(_, _, buffer));  // stmatrix (fragments.h)
       fence_stores_for_async_proxy();  // these generic-proxy stores before the WGMMA (async proxy) reads
       // dV first, so that it runs while the consumers meet; then dQ before dK, so that dQ retires first and its

@@ -105,11 +105,14 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   typename Traits::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
   auto thr_dq = mma_dq.get_thread_slice(thread);
-  Tensor frag_q = thr_sdp.partition_fragment_A(sQ);    // smem descriptors
-  Tensor frag_do = thr_sdp.partition_fragment_A(sdO);
-  Tensor frag_k = thr_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_v = thr_sdp.partition_fragment_B(sV);
-  Tensor frag_kt = thr_dq.partition_fragment_B(sKt);   // (MMA, MMA_N, MMA_K, stage)
+  // Descriptors from the warpgroup's first thread and warp-uniform stages (fragments.h warp_uniform).
+  const int descriptor_thread = warp_uniform(thread / 128 * 128);
+  auto desc_sdp = mma_sdp.get_thread_slice(descriptor_thread);
+  Tensor frag_q = desc_sdp.partition_fragment_A(sQ);    // smem descriptors
+  Tensor frag_do = desc_sdp.partition_fragment_A(sdO);
+  Tensor frag_k = desc_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_v = desc_sdp.partition_fragment_B(sV);
+  Tensor frag_kt = mma_dq.get_thread_slice(descriptor_thread).partition_fragment_B(sKt);  // (MMA, MMA_N, MMA_K, stage)
 
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
@@ -130,7 +133,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   typename Traits::PipelineState read, previous;
   for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin;
        n_block = previous_key_tile<Traits, kForm>(p, rb, n_block - 1)) {
-    const int stage = read.index();
+    const int stage = warp_uniform(read.index());
     const int64_t n0 = int64_t(n_block) * kBlockN;
     // Masked form: whether this tile reads mask elements (its blocks are not all visible), and their bits, gathered
     // before the GEMMs (MaskBits says why).

@@ -339,14 +339,14 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
   auto thr_mma_s = mma_s.get_thread_slice(thread);
-  auto thr_mma_o = mma_o.get_thread_slice(thread);
-  // Q's smem descriptors are the same for the whole warpgroup. With three consumers (160 registers each), slicing
-  // them with a warp-uniform thread index (a shuffle from lane 0) keeps them in uniform registers instead of two
-  // registers per k slice in every thread (the 192-row tile's last spill); two consumers keep the plain slice.
-  const int q_thread = kGroups > 2 ? __shfl_sync(0xffffffffu, group * 128, 0) : thread;
-  Tensor frag_q = mma_s.get_thread_slice(q_thread).partition_fragment_A(sQ);  // smem descriptors
-  Tensor frag_k = thr_mma_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_vt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  // The smem descriptors are the same for the whole warpgroup: sliced with its first thread, a warp-uniform value
+  // (fragments.h warp_uniform), and indexed by warp-uniform stages below, they stay in uniform registers (with
+  // three consumers this also removed the 192-row tile's last spill: two registers per k slice of Q otherwise).
+  const int descriptor_thread = warp_uniform(group * 128);
+  auto desc_s = mma_s.get_thread_slice(descriptor_thread);
+  Tensor frag_q = desc_s.partition_fragment_A(sQ);  // smem descriptors
+  Tensor frag_k = desc_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_vt = mma_o.get_thread_slice(descriptor_thread).partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
 
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
   clear(acc_o);
@@ -436,7 +436,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
   wait_turn();
   pipeline_k.consumer_wait(read);
-  issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
+  issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, warp_uniform(read.index())), acc_s);
   pass_turn(false);
   warpgroup_wait<0>();
   pipeline_k.consumer_release(read);
@@ -466,9 +466,9 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
     read_boolean_mask = reads_mask(n_block);
     wait_turn();
     pipeline_k.consumer_wait(read);
-    issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, read.index()), acc_s);
+    issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, warp_uniform(read.index())), acc_s);
     pipeline_v.consumer_wait(previous);
-    issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
+    issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, warp_uniform(previous.index())), acc_o);
     pass_turn(false);
     warpgroup_wait<1>();  // S is ready; P V may still run
     pipeline_k.consumer_release(read);
@@ -487,7 +487,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   // Last P V.
   wait_turn();
   pipeline_v.consumer_wait(previous);
-  issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, previous.index()), acc_o);
+  issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, warp_uniform(previous.index())), acc_o);
   pass_turn(true);
   if (group == last_group) progress.turn_passed = !last_tile;
   warpgroup_wait<0>();
@@ -514,7 +514,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
   if constexpr (sizeof(Out) == 2) {
     store_accumulators(mma_o, thread, out_frag, sO);  // stmatrix (fragments.h)
   } else {
-    copy(out_frag, thr_mma_o.partition_C(sO));
+    copy(out_frag, mma_o.get_thread_slice(thread).partition_C(sO));
   }
   named_barrier_sync(kEpilogueBarrier + group, 128);
 

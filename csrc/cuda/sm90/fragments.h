@@ -106,6 +106,13 @@ __device__ __forceinline__ void round_tiles_to_tf32(float* a, float* b, int elem
   named_barrier_sync(barrier_id, threads);
 }
 
+// x as lane 0 of the warp has it: a value ptxas knows to be the same in every lane. WGMMA takes its shared-memory
+// descriptors in uniform registers; built from a per-thread value (the thread index, a pipeline stage, a buffer
+// index), which ptxas cannot prove uniform, each descriptor is computed in every thread's registers and moved over
+// (R2UR) before every issue. Built from warp_uniform values, the arithmetic stays in the uniform datapath.
+// Every lane must call it with the warp converged.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
 // warpgroup_wait<N>() (N = batches allowed to stay in flight). kZeroInit overwrites acc instead of adding.
 template <bool kZeroInit, class TiledMma, class A, class B, class Acc>
