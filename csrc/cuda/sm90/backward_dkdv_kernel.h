@@ -46,6 +46,7 @@
 #include "fragments.h"
 #include "masked_scores.h"
 #include "persistent_pass.h"
+#include "tma_shapes.h"
 #include "transformed_scores.h"
 #include "transposed_scores.h"
 
@@ -88,8 +89,8 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   Tensor sV = make_tensor(make_smem_ptr(kv_buffer_data<Traits>(smem.v, kv.buffer)), typename Traits::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
-  const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
-  const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+  const auto q_shape = query_tma_shape(p);
+  const auto kv_shape = key_tma_shape(p);
   const int n_block = static_cast<int>(kb.n0 / kBlockN);
   Tensor gK = local_tile(args.tma_k.get_tma_tensor(kv_shape)(_, _, kb.head_kv, kb.batch),
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));

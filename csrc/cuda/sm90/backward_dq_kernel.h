@@ -31,6 +31,7 @@
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
 #include "masked_scores.h"
+#include "tma_shapes.h"
 #include "transformed_scores.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -49,8 +50,8 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
   Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  const auto q_shape = make_shape(int32_t(p.seqlen_q), int32_t(p.head_dim), int32_t(p.heads_q), int32_t(p.batch));
-  const auto kv_shape = make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+  const auto q_shape = query_tma_shape(p);
+  const auto kv_shape = key_tma_shape(p);
   const int m_block = static_cast<int>(rb.m0 / kBlockM);
   Tensor gQ = local_tile(args.tma_q.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch),
                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
