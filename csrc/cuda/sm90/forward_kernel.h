@@ -53,6 +53,7 @@
 #include "../../common/score_pipeline.h"
 #include "../../common/tf32_workspace.h"
 #include "../common/block_range.h"
+#include "../common/bulk_reduce.h"
 #include "../sm80/fragments.h"
 #include "../sm80/score_tile.h"
 #include "../sm80/tensor_offsets.h"
@@ -318,8 +319,8 @@ struct ConsumerProgress {
 // epilogue. `last_tile`: no later tile of this CTA exists (the final pingpong hand-over is skipped).
 // Force-inlined: as a called function, ptxas serialises every WGMMA of the transforming forms (C7510).
 template <class Traits, ForwardVariant kVariant>
-__device__ __forceinline__ void consume_tile(const AttentionParams& p, const RowBlock& rb,
-                                            typename Traits::SharedStorage& smem,
+__device__ __forceinline__ void consume_tile(const AttentionParams& p, const typename Traits::TmaO& tma_o,
+                                            const RowBlock& rb, typename Traits::SharedStorage& smem,
                                             typename Traits::Pipeline& pipeline_k,
                                             typename Traits::Pipeline& pipeline_v, ConsumerProgress<Traits>& progress,
                                             bool last_tile, int group) {
@@ -513,28 +514,48 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const Row
       return make_tensor(make_smem_ptr(reinterpret_cast<Out*>(smem.q.data())), typename Traits::SmemLayoutQ{});
     }
   }();
-  // The O buffer outlives the tile: this warpgroup's reads of its rows for the previous tile must be done.
+  // The O buffer outlives the tile: this warpgroup's reads of its rows for the previous tile must be done (with the
+  // TMA store, that store's reads, which its issuing thread waits for).
   if constexpr (Traits::kOwnOutputBuffer) {
-    if (progress.round > 0) named_barrier_sync(kEpilogueBarrier + group, 128);
+    if (progress.round > 0) {
+      if constexpr (Traits::kTmaStoreO) {
+        if (thread % 128 == 0) bulk_wait_read();
+      }
+      named_barrier_sync(kEpilogueBarrier + group, 128);
+    }
   }
   if constexpr (sizeof(Out) == 2) {
     store_accumulators(mma_o, thread, out_frag, sO);  // stmatrix (fragments.h)
   } else {
     copy(out_frag, mma_o.get_thread_slice(thread).partition_C(sO));
   }
-  named_barrier_sync(kEpilogueBarrier + group, 128);
-
-  const BshdShape q_shape = sm80::query_shape(p);
-  constexpr int kChunk = kOutputChunk<Traits>;
-  constexpr int kChunksPerRow = Traits::kHeadDim / kChunk;
-  const int chunks_in_bounds = static_cast<int>(p.head_dim / kChunk);
-  const int thread_in_group = thread % 128;
-  CUTE_UNROLL
-  for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
-    const int row = group * 64 + i / kChunksPerRow, chunk = i % kChunksPerRow;
-    if (row < rb.rows_in_bounds && chunk < chunks_in_bounds) {
-      Out* dst = static_cast<Out*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * kChunk;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(row, chunk * kChunk));
+  if constexpr (Traits::kTmaStoreO) {
+    // One TMA store of the tile (it clips rows past seqlen_q and columns past head_dim), issued by one thread once
+    // every thread's stmatrix stores are visible to the async proxy.
+    fence_stores_for_async_proxy();
+    named_barrier_sync(kEpilogueBarrier + group, 128);
+    if (thread % 128 == 0) {
+      Tensor mO = tma_o.get_tma_tensor(query_tma_shape(p))(_, _, rb.head, rb.batch);
+      Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{},
+                             make_coord(static_cast<int>(rb.m0 / kBlockM), 0));
+      auto tma_o_slice = tma_o.get_slice(0);
+      copy(tma_o, tma_o_slice.partition_S(sO), tma_o_slice.partition_D(gO));
+      bulk_commit();
+    }
+  } else {
+    named_barrier_sync(kEpilogueBarrier + group, 128);
+    const BshdShape q_shape = sm80::query_shape(p);
+    constexpr int kChunk = kOutputChunk<Traits>;
+    constexpr int kChunksPerRow = Traits::kHeadDim / kChunk;
+    const int chunks_in_bounds = static_cast<int>(p.head_dim / kChunk);
+    const int thread_in_group = thread % 128;
+    CUTE_UNROLL
+    for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
+      const int row = group * 64 + i / kChunksPerRow, chunk = i % kChunksPerRow;
+      if (row < rb.rows_in_bounds && chunk < chunks_in_bounds) {
+        Out* dst = static_cast<Out*>(p.o) + q_shape.offset(rb.batch, rb.m0 + row, rb.head) + chunk * kChunk;
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(row, chunk * kChunk));
+      }
     }
   }
   if (threadIdx.x % 4 == 0) {
@@ -569,7 +590,11 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
       continue;
     }
     const bool last_tile = (pass + 1) * gridDim.x + blockIdx.x >= args.grid.tiles;
-    consume_tile<Traits, kVariant>(args.p, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
+    consume_tile<Traits, kVariant>(args.p, args.tma_o, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
+  }
+  // O's last TMA store has read shared memory before the CTA (and its shared memory) goes away.
+  if constexpr (Traits::kTmaStoreO) {
+    if (threadIdx.x % 128 == 0) bulk_wait_all();
   }
 }
 

@@ -212,7 +212,12 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
                                          bshd_tensor<Traits>(p.k, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
-                           make_tma_v<Traits>(p)};
+                           make_tma_v<Traits>(p),
+                           typename Traits::TmaO{}};
+  if constexpr (Traits::kTmaStoreO) {
+    args.tma_o = make_tma_copy(SM90_TMA_STORE{}, bshd_tensor<Traits>(p.o, p.seqlen_q, p.heads_q, p.head_dim, p.batch),
+                               typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile

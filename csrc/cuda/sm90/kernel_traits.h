@@ -230,6 +230,13 @@ struct ForwardTraits {
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // O written back by one TMA store per tile where the tile has one consumer (its 64-row O buffer is the store's
+  // box: the d=64 two/three-per-SM and short-rows tiles, whose tiles are short, so the epilogue's 16-byte stores and
+  // their 64-bit addresses were a noticeable share of each tile's instructions). The store reads O's buffer
+  // asynchronously; the next tile waits for that read before it stages O there again.
+  static constexpr bool kTmaStoreO = kConsumerGroups == 1 && kOwnOutputBuffer && !kTf32;
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
   using TmaV = std::conditional_t<kTf32,
                                   decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutVt{}),
@@ -256,6 +263,7 @@ struct ForwardArgs {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaV tma_v;
+  typename Traits::TmaO tma_o;  // built only where Traits::kTmaStoreO
 };
 
 }  // namespace jax_flash::cuda::sm90
