@@ -2,8 +2,8 @@
 
 Shapes (../shared/ANCHORS.md): bf16, BSHD, 16k tokens per batch (batch = 16384 / seqlen), heads * head_dim = 2048,
 head_dim in {64, 128, 256}, causal and not, seqlen 512..16k. FLOPs: 4 * b * h * sq * sk * d, halved when causal;
-backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls after warm-up, median of 3 trials; the
-backward is timed alone through a jitted VJP function.
+backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls (more where needed for a trial to last 50 ms)
+after warm-up, median of 3 trials; the backward is timed alone through a jitted VJP function.
 
 Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
       [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout softcap] [--float32]
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -84,17 +85,30 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
     return jax_nn
 
 
-def median_seconds(fn, args, reps: int) -> float:
+# A trial lasts at least this long: at least `reps` calls, more when the calls are short. A trial starts with an idle
+# GPU and ends with a host synchronisation; over ten 0.3 ms calls (d=64 1k) that fixed cost was several percent of
+# the time, and with it a session-to-session drift of the short cells larger than the changes being measured.
+MIN_TRIAL_SECONDS = 0.05
+
+
+def median_seconds(fn, args, reps: int, min_trial_seconds: float = MIN_TRIAL_SECONDS) -> float:
+    """Seconds per call of fn(*args): the median of 3 trials of back-to-back calls after a warm-up call.
+
+    Each trial makes max(reps, enough calls to last min_trial_seconds, estimated from one timed call) calls."""
     import jax
 
     jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one_call = time.perf_counter() - start
+    calls = max(reps, math.ceil(min_trial_seconds / max(one_call, 1e-6)))
     trials = []
     for _ in range(3):
         start = time.perf_counter()
-        for _ in range(reps):
+        for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-        trials.append((time.perf_counter() - start) / reps)
+        trials.append((time.perf_counter() - start) / calls)
     return sorted(trials)[1]
 
 

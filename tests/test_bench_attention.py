@@ -3,6 +3,7 @@ with (a feature row really applies its feature, a float32 row its precision). No
 session found the float32 rows ignoring --features, so their "softcap" and "padding_mask" timings were plain calls."""
 
 import os
+import time
 import sys
 
 import jax
@@ -45,3 +46,19 @@ def test_rows_compute_their_feature(implementation, feature, causal):
     if feature != "none" and (feature == "padding_mask" or implementation.startswith("jax_flash")):
         plain = np.asarray(expected(implementation, "none", causal), np.float64)
         assert np.max(np.abs(plain - want)) > 1e-2, "the feature does not change this call: the test is vacuous"
+
+
+def test_short_calls_get_enough_repetitions_for_a_long_trial():
+    """median_seconds makes more than `reps` calls when they are short, so that each trial lasts
+    min_trial_seconds, and still returns the time of one call."""
+    calls = []
+
+    def two_milliseconds(x):
+        calls.append(None)
+        time.sleep(0.002)
+        return x
+
+    seconds = bench.median_seconds(two_milliseconds, (jnp.ones(1),), reps=1, min_trial_seconds=0.03)
+    # Warm-up and calibration calls, then 3 trials of about 0.03 / 0.002 = 15 calls (at least 6 with a slow sleep).
+    assert len(calls) >= 2 + 3 * 6, len(calls)
+    assert 0.002 <= seconds < 0.02, seconds
