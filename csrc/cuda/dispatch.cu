@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../common/tf32_workspace.h"
+#include "build_refusal.h"
 #include "launch.h"
 #include "f32/launchers.h"
 #include "sm80/launchers.h"
@@ -63,7 +64,7 @@ std::string with_half_element(ElementType type, Launch&& launch) {
   if constexpr (JAX_FLASH_CUDA_FP16_BUILT) {
     return launch(cutlass::half_t{});
   } else {
-    return "this build has no float16 kernels (built with JAX_FLASH_CUDA_FP16=OFF)";
+    return build_refusal("no float16 kernels (built with JAX_FLASH_CUDA_FP16=OFF)");
   }
 }
 
@@ -86,6 +87,7 @@ int smallest_at_least(const int (&head_dims)[N], int64_t head_dim) {
 }
 
 constexpr int kBuiltHeadDims[] = {JAX_FLASH_CUDA_HEAD_DIM_LIST};
+constexpr int kMaxHeadDim = 256;  // the largest head dim any build has kernels for (CMakeLists.txt's list)
 
 struct Sm80Built {  // also the float32 kernels' head dims
   constexpr bool operator()(int d) const { return contains(kBuiltHeadDims, d); }
@@ -98,8 +100,12 @@ std::string check_supported(const AttentionParams& p) {
       p.element_type != ElementType::kFloat16) {
     return "unknown element type";
   }
-  if (p.head_dim <= 0 || padded_head_dim(p.head_dim) == 0) {
-    return "head_dim " + std::to_string(p.head_dim) + " is larger than every head dim this build has kernels for";
+  if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim) {
+    return "head_dim must be between 1 and " + std::to_string(kMaxHeadDim) + ", got " + std::to_string(p.head_dim);
+  }
+  if (padded_head_dim(p.head_dim) == 0) {
+    return build_refusal("no kernels for head_dim " + std::to_string(p.head_dim) +
+                         " or larger (JAX_FLASH_CUDA_HEAD_DIMS)");
   }
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
   if (p.seqlen_q >= (int64_t(1) << 31) || p.seqlen_k >= (int64_t(1) << 31)) {
@@ -164,7 +170,9 @@ std::string sm90_forward_size_refusal(const AttentionParams& p) {
 
 // Empty when the sm90 forward kernel can run this call, else why not. dense: JAX_FLASH_SM90_DENSE is not 0.
 std::string sm90_forward_refusal(const AttentionParams& p, bool dense) {
-  if (sm90_head_dim(p.head_dim) == 0) return "this build has no sm_90a kernel for head_dim " + std::to_string(p.head_dim);
+  if (sm90_head_dim(p.head_dim) == 0) {
+    return build_refusal("no sm_90a kernel for head_dim " + std::to_string(p.head_dim));
+  }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.dropout_rate > 0.0f) return "dropout runs on the sm80 kernel only";
   if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
@@ -242,7 +250,7 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   // unless JAX_FLASH_TF32_FORMS=0 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
   if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
   if (!sm90_tf32_built(p.head_dim)) {
-    return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
+    return build_refusal("no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
@@ -274,7 +282,7 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
     return "bias, boolean mask, dropout, softcap, ALiBi and softmax_scale <= 0 run on the float32 kernels only";
   }
   if (!sm90_tf32_built(p.head_dim)) {
-    return "this build has no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim);
+    return build_refusal("no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
@@ -299,7 +307,7 @@ f32::Tf32Passes sm90_tf32_passes(const AttentionBackwardParams& p) {
 // Empty when the sm90 backward can run this call, else why not.
 std::string sm90_backward_refusal(const AttentionBackwardParams& p) {
   if (sm90_backward_head_dim(p.head_dim) == 0) {
-    return "this build has no sm_90a backward kernel for head_dim " + std::to_string(p.head_dim);
+    return build_refusal("no sm_90a backward kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   // Three kernel forms exist (sm90/backward_form.h): common, transforms (softcap, ALiBi) and masked (a boolean mask,
