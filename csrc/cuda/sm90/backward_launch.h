@@ -28,11 +28,11 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   using namespace cute;
   constexpr int kHeadDim = Traits::kHeadDim;
   auto q_tma = [&](const void* data) {
-    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, p.seqlen_q, p.heads_q, p.head_dim, p.batch),
+    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, query_tma_shape(p)),
                          QLayout{}, Shape<Int<kQRows>, Int<kHeadDim>>{}, _1{});
   };
   auto kv_tma = [&](const void* data) {
-    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
+    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, key_tma_shape(p)),
                          KVLayout{}, Shape<Int<kKVRows>, Int<kHeadDim>>{}, _1{});
   };
   return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};

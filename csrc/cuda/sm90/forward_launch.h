@@ -15,15 +15,17 @@
 #include "forward_variant.h"
 #include "kernel_traits.h"
 #include "tf32_v_transpose.h"
+#include "tma_shapes.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// (seqlen, head_dim, heads, batch) view of a contiguous BSHD array, as the TMA descriptors see it.
-template <class Traits>
-auto bshd_tensor(const void* data, int64_t seqlen, int64_t heads, int64_t head_dim, int64_t batch) {
+// A contiguous BSHD array as the TMA descriptors see it: shape (seqlen, head_dim, heads, batch), from tma_shapes.h
+// (query_tma_shape / key_tma_shape, the shapes the kernels slice the descriptors' tensors with).
+template <class Traits, class Shape4>
+auto bshd_tensor(const void* data, const Shape4& shape) {
   using namespace cute;
   using T = typename Traits::Element;
-  const auto shape = make_shape(int32_t(seqlen), int32_t(head_dim), int32_t(heads), int32_t(batch));
+  const int64_t seqlen = get<0>(shape), head_dim = get<1>(shape), heads = get<2>(shape);
   const auto stride = make_stride(heads * head_dim, _1{}, head_dim, seqlen * heads * head_dim);
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
 }
@@ -43,9 +45,21 @@ auto make_tma_v(const AttentionParams& p) {
                          take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{},
                          _1{});
   } else {
-    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.v, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
+    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.v, key_tma_shape(p)),
                          take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                          _1{});
+  }
+}
+
+// The TMA store descriptor of O where the tile writes O that way (Traits::kTmaStoreO); otherwise an unused default.
+template <class Traits>
+typename Traits::TmaO make_tma_o(const AttentionParams& p) {
+  using namespace cute;
+  if constexpr (Traits::kTmaStoreO) {
+    return make_tma_copy(SM90_TMA_STORE{}, bshd_tensor<Traits>(p.o, query_tma_shape(p)), typename Traits::SmemLayoutQ{},
+                         Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+  } else {
+    return {};
   }
 }
 
@@ -204,20 +218,14 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   constexpr int kHeadDim = Traits::kHeadDim;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
-                           make_tma_copy(SM90_TMA_LOAD{},
-                                         bshd_tensor<Traits>(p.q, p.seqlen_q, p.heads_q, p.head_dim, p.batch),
-                                         typename Traits::SmemLayoutQ{},
-                                         Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{}),
-                           make_tma_copy(SM90_TMA_LOAD{},
-                                         bshd_tensor<Traits>(p.k, p.seqlen_k, p.heads_kv, p.head_dim, p.batch),
+                           make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.q, query_tma_shape(p)),
+                                         typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{},
+                                         _1{}),
+                           make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.k, key_tma_shape(p)),
                                          take<0, 2>(typename Traits::SmemLayoutKV{}),
                                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
                            make_tma_v<Traits>(p),
-                           typename Traits::TmaO{}};
-  if constexpr (Traits::kTmaStoreO) {
-    args.tma_o = make_tma_copy(SM90_TMA_STORE{}, bshd_tensor<Traits>(p.o, p.seqlen_q, p.heads_q, p.head_dim, p.batch),
-                               typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  }
+                           make_tma_o<Traits>(p)};
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile

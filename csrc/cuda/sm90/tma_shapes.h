@@ -1,7 +1,6 @@
 // The (seqlen, head_dim, heads, batch) shapes under which the TMA descriptors see the BSHD arrays: queries (q, O,
-// dO) and keys (k, v): every kernel slices its descriptors' tensors with these, and they must equal the shapes
-// bshd_tensor (forward_launch.h) gives the descriptors on the host. Params: AttentionParams or
-// AttentionBackwardParams.
+// dO) and keys (k, v). The host builds the descriptors over them (forward_launch.h bshd_tensor) and every kernel
+// slices its descriptors' tensors with them. Params: AttentionParams or AttentionBackwardParams.
 #pragma once
 
 #include <cstdint>
