@@ -204,7 +204,7 @@ def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
     shapes per warpgroup), so outputs and lse are identical to "0", on the persistent grid (by default at 700 keys,
     and capped at 2 CTAs so that each loops over many tiles) and on one CTA per tile. Within the accuracy bound
     too, and any other value is an error naming the variable. The three-per-SM tile is switched off: by default it
-    takes the causal calls of up to 1024 keys among those on the two-per-SM tile (its 64-key stages rescale
+    takes the causal calls among those on the two-per-SM tile (its 64-key stages rescale
     differently, so it is not bit-identical; test_sm90_three_per_sm_tile checks it)."""
     use_forward_kernel(monkeypatch, "sm90", 64)
     monkeypatch.setenv("JAX_FLASH_SM90_THREE_PER_SM", "0")
@@ -238,7 +238,7 @@ def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
 @pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
 @pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
 def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
-    """JAX_FLASH_SM90_THREE_PER_SM=1 runs every d=64 two-per-SM call (by default only short causal ones) on a
+    """JAX_FLASH_SM90_THREE_PER_SM=1 runs every d=64 two-per-SM call (by default only the causal ones) on a
     64-row tile with 64-key stages, three CTAs per SM. Its rows see the keys in 64-key steps (the 128-key tile's
     rescaling differs), so it is checked against the accuracy bound, not bit for bit. A bad value is an error."""
     use_forward_kernel(monkeypatch, "sm90", 64)

@@ -100,11 +100,13 @@ inline std::string cta_cap_switch(const char* variable, int64_t* max_ctas) {
 }
 
 // JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
-// each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= kPersistentMaxSeqlenK and one CTA per
-// tile otherwise; "1" forces the persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid:
-// JAX_FLASH_SM90_PERSISTENT_CTAS=N, for tests, makes small problems loop over many tiles too.
-inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas) {
-  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_PERSISTENT", seqlen_k <= kPersistentMaxSeqlenK, persistent);
+// each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= automatic_max_seqlen_k (the tile's
+// limit: kPersistentMaxSeqlenK, or kThreePerSmPersistentMaxSeqlenK) and one CTA per tile otherwise; "1" forces the
+// persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid: JAX_FLASH_SM90_PERSISTENT_CTAS=N,
+// for tests, makes small problems loop over many tiles too.
+inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas,
+                                     int64_t automatic_max_seqlen_k = kPersistentMaxSeqlenK) {
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_PERSISTENT", seqlen_k <= automatic_max_seqlen_k, persistent);
       !err.empty()) {
     return err;
   }
@@ -168,9 +170,16 @@ inline std::string two_per_sm_switch(const AttentionParams& p, bool* two_per_sm)
 
 // Where the two-per-SM tile runs, the three-per-SM one (RowTile::kThreePerSm: 64-key stages) shortens a tile's
 // serial chain further, but each 64-row CTA reads K/V in twice as many steps. On the H200 (bf16, 16k tokens, 32
-// heads; bench_env_ab.py, results/env_ab_NVIDIA_H200_2026-12-03_threepersm_s26.json), against two per SM: causal
-// 512 keys +10.7%, 1k +3.5%, 2k -3.4%, 4k -3.3%; non-causal 1k -7%, 2k -13%, 4k -0.5%.
-constexpr int64_t kThreePerSmMaxSeqlenKCausal = 1024;
+// heads; bench_env_ab.py), against two per SM: in the twenty-sixth session (results/env_ab_NVIDIA_H200_2026-12-03_
+// threepersm_s26.json) causal 512 keys +10.7%, 1k +3.5%, 2k -3.4%, 4k -3.3%; non-causal 1k -7%, 2k -13%, 4k -0.5%.
+// Since the lazy scorer and the TMA store of O (which shortened its tiles most; results/env_ab_NVIDIA_H200_2026-12-
+// 04_three_s32.json and _three2_s32.json, two calls of three rounds) causal 2k +1.6% / +5.0%, 4k +3.8% / +10.8%, so
+// it takes the causal calls the two-per-SM tile does.
+constexpr int64_t kThreePerSmMaxSeqlenKCausal = kTwoPerSmMaxSeqlenKCausal;
+// Three 64-row CTAs per SM keep the SMs busy with short tiles on their own, and at 2048 causal keys the per-tile
+// grid ran it 4.4% faster than the persistent one (results/env_ab_NVIDIA_H200_2026-12-04_persist3_s32.json, three
+// rounds; 1024 not measured: it stays persistent, where the twenty-sixth session measured this tile's gain there).
+constexpr int64_t kThreePerSmPersistentMaxSeqlenK = 1024;
 
 // JAX_FLASH_SM90_THREE_PER_SM (read at every call), among the calls that take the two-per-SM tile: unset, "" or
 // "auto" causal calls up to the key length above, "1" always, "0" never.
@@ -286,6 +295,10 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
         bool three_per_sm = false;
         if (std::string err = three_per_sm_switch(p, &three_per_sm); !err.empty()) return err;
         if (three_per_sm) {
+          if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas, kThreePerSmPersistentMaxSeqlenK);
+              !err.empty()) {
+            return err;
+          }
           return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSm>, kVariant>(p, persistent,
                                                                                               max_ctas, stream);
         }
