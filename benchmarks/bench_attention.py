@@ -3,9 +3,12 @@
 Shapes (../shared/ANCHORS.md): bf16, BSHD, 16k tokens per batch (batch = 16384 / seqlen), heads * head_dim = 2048,
 head_dim in {64, 128, 256}, causal and not, seqlen 512..16k. FLOPs: 4 * b * h * sq * sk * d, halved when causal;
 backward = 2.5 x forward. Times: wall clock over `--reps` jitted calls (more where needed for a trial to last 50 ms)
-after warm-up, median of 3 trials; the backward is timed alone through a jitted VJP function.
+after warm-up, median of 3 trials; the backward is timed alone through a jitted VJP function. With --rounds N each
+cell is measured N times, the implementations taking turns (in reverse order on odd rounds), and each keeps its
+best round (every round's numbers stay in the row): a passing disturbance of the machine (a clock dip, another
+process) then costs no implementation its cell, and all are treated alike.
 
-Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory]
+Run:  python benchmarks/bench_attention.py [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--memory] [--rounds 2]
       [--impls jax_flash_sm90 cudnn] [--forward-only] [--features none padding_mask dropout softcap] [--float32]
 jax_flash_sm80 forces the sm80 kernels forward and backward (JAX_FLASH_CUDA_KERNEL[_BACKWARD]=sm80,
 csrc/cuda/README.md); jax_flash_sm90 forces the Hopper forward and lets the backward choose (the Hopper backward
@@ -172,6 +175,35 @@ def _measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps
     return row
 
 
+def best_of_rounds(rounds: list[dict]) -> dict:
+    """One implementation's row of a cell from its rounds: the highest forward and backward TFLOP/s of any round,
+    with every round's value under fwd_tflops_rounds / bwd_tflops_rounds (several rounds only), and the first
+    round's error, if any round had one."""
+    merged = {key: value for key, value in rounds[0].items() if key != "error"}
+    for key in ("fwd_tflops", "bwd_tflops"):
+        values = [r.get(key) for r in rounds]
+        measured = [v for v in values if v]
+        merged[key] = max(measured) if measured else None
+        if len(rounds) > 1:
+            merged[key + "_rounds"] = values
+    errors = [r["error"] for r in rounds if "error" in r]
+    if errors:
+        merged["error"] = errors[0]
+    return merged
+
+
+def measure_cell(implementations, rounds: int, measure_one) -> list[dict]:
+    """One cell's rows, in the order of `implementations`: measure_one(implementation) `rounds` times each, the
+    implementations taking turns, in reverse order on odd rounds (so none is always first after another's
+    compilation), merged by best_of_rounds."""
+    measured = {implementation: [] for implementation in implementations}
+    for round_index in range(rounds):
+        order = implementations if round_index % 2 == 0 else list(reversed(implementations))
+        for implementation in order:
+            measured[implementation].append(measure_one(implementation))
+    return [best_of_rounds(measured[implementation]) for implementation in implementations]
+
+
 def peak_memory_child(implementation: str, seqlen: int) -> dict:
     """In a fresh process: forward + backward at [1, seqlen, 16, 128]; peak device bytes."""
     with kernel_families(implementation):
@@ -258,6 +290,8 @@ def main() -> None:
                         help="float32 inputs: jax_flash tf32/highest vs XLA float32 default/highest")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--forward-only", action="store_true", help="skip the backward timings")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each cell this many times, the implementations taking turns; keep each one's best")
     parser.add_argument("--features", nargs="+", default=["none"], choices=FEATURES,
                         help="padding_mask: a [batch, 1, 1, seqlen] boolean key-padding mask on every implementation; "
                              "dropout: rate 0.1, softcap: 50 (the Hopper forward's transforms form), on jax_flash only "
@@ -295,16 +329,18 @@ def main() -> None:
         for causal in (False, True):
             for seqlen in args.seqlens:
                 for feature in args.features:
-                    for implementation in args.impls:
-                        rows.append(measure(implementation, head_dim, seqlen, causal, args.reps, args.forward_only,
-                                            feature))
-                        r = rows[-1]
+                    def measure_one(implementation):
+                        return measure(implementation, head_dim, seqlen, causal, args.reps, args.forward_only,
+                                       feature)
+
+                    for r in measure_cell(args.impls, args.rounds, measure_one):
+                        rows.append(r)
                         fwd = f"{r['fwd_tflops']:.1f}" if r["fwd_tflops"] else "-"
                         bwd = f"{r['bwd_tflops']:.1f}" if r["bwd_tflops"] else "-"
                         print(f"d={head_dim:3d} causal={int(causal)} seqlen={seqlen:5d} {feature:12s} "
-                              f"{implementation:22s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
+                              f"{r['impl']:22s} fwd {fwd:>6s} bwd {bwd:>6s} {r.get('note', '')}"
                               f"{r.get('error', '')}", flush=True)
-                        write(rows)
+                    write(rows)
     memory = run_memory_benchmark(args.memory_seqlen) if args.memory or args.memory_only else []
 
     write(rows, memory)

@@ -62,3 +62,31 @@ def test_short_calls_get_enough_repetitions_for_a_long_trial():
     # Warm-up and calibration calls, then 3 trials of about 0.03 / 0.002 = 15 calls (at least 6 with a slow sleep).
     assert len(calls) >= 2 + 3 * 6, len(calls)
     assert 0.002 <= seconds < 0.02, seconds
+
+
+def test_rounds_take_turns_and_keep_each_implementations_best():
+    """--rounds: the implementations alternate (reversed on odd rounds), and each row keeps its own best forward and
+    backward TFLOP/s, with every round's numbers, whichever round they came from."""
+    calls = []
+    timings = {("a", 0): (100.0, 50.0), ("b", 0): (80.0, None), ("a", 1): (90.0, 60.0), ("b", 1): (85.0, 40.0),
+               ("a", 2): (95.0, 55.0), ("b", 2): (70.0, 45.0)}
+
+    def measure_one(implementation):
+        round_index = sum(1 for c in calls if c == implementation)
+        calls.append(implementation)
+        fwd, bwd = timings[implementation, round_index]
+        return {"impl": implementation, "fwd_tflops": fwd, "bwd_tflops": bwd}
+
+    rows = bench.measure_cell(["a", "b"], 3, measure_one)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert [r["impl"] for r in rows] == ["a", "b"]
+    assert (rows[0]["fwd_tflops"], rows[0]["bwd_tflops"]) == (100.0, 60.0)
+    assert (rows[1]["fwd_tflops"], rows[1]["bwd_tflops"]) == (85.0, 45.0)
+    assert rows[1]["bwd_tflops_rounds"] == [None, 40.0, 45.0]
+    assert "error" not in rows[0]
+
+
+def test_one_round_is_the_plain_measurement_and_errors_survive():
+    rows = bench.measure_cell(["a"], 1, lambda implementation: {"impl": implementation, "fwd_tflops": None,
+                                                                "bwd_tflops": None, "error": "ValueError: no"})
+    assert rows == [{"impl": "a", "fwd_tflops": None, "bwd_tflops": None, "error": "ValueError: no"}]
