@@ -58,7 +58,7 @@ def main() -> None:
         print(f"{args.impl}: fwd / bwd TFLOP/s per run ({', '.join(names)})")
         for key in keys:
             cells = ["   -   " if key not in run else
-                     f"{run[key].get('fwd_tflops', 0):4.0f}/{run[key].get('bwd_tflops') or 0:<4.0f}" for run in runs]
+                     f"{run[key].get('fwd_tflops') or 0:4.0f}/{run[key].get('bwd_tflops') or 0:<4.0f}" for run in runs]
             print(f"  d={key[1]:<4d} causal={int(key[2])} seqlen={key[3]:<6d} {key[4]:12s} " + "  ".join(cells))
 
 

@@ -49,3 +49,15 @@ def test_command_line_lists_each_step_against_the_one_before(tmp_path):
     assert "d=64   fwd  1.100  (1 of 1 cells up)" in out
     assert "d=64   fwd  0.900  (0 of 1 cells up)" in out
     assert " 100/1 " in out and " 110/1 " in out
+
+
+def test_cells_list_a_failed_row_as_zero(tmp_path):
+    """bench_attention.py records a cell an implementation could not run with fwd_tflops None: --cells prints it as
+    0, as it does a missing backward, instead of failing on the format."""
+    failed = _row("jax_flash_sm90", 1024, None)
+    failed["error"] = "ValueError: no"
+    files = [_write(tmp_path / "base.json", [_row("jax_flash_sm90", 1024, 100, 1.0)]),
+             _write(tmp_path / "broken.json", [failed])]
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(compare_runs.__file__), "compare_runs.py"),
+                          *files, "--cells"], check=True, capture_output=True, text=True).stdout
+    assert " 100/1 " in out and "   0/0 " in out
