@@ -86,6 +86,36 @@ def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     return common_form or switch_on(TF32_FORMS_ENV, default=True)
 
 
+SPLIT_TF32_ENV = "JAX_FLASH_SM90_SPLIT_TF32"
+
+
+def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                               dense: DenseOperands) -> bool:
+    """Whether a forward call gets the split-TF32 workspace, which the CUDA handler takes as the sign to run the
+    split-TF32 Hopper forward on compute capability 9.x (csrc/common/tf32_workspace.h: each float32 operand as two
+    TF32 parts, three TF32 products per product, about float32's accuracy; elsewhere the workspace goes unused):
+    float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32=1`` (read when the call is traced;
+    off by default until measured on the GPU), head_dim <= 128 and a multiple of 4, no dropout, and the common form
+    (no softcap, ALiBi, bias or mask)."""
+    head_dim = q.shape[-1]
+    if not (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
+            and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0):
+        return False
+    return (not dense.has_bias and not dense.has_mask and config.softcap == 0
+            and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
+
+
+def split_tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
+    """``[B, Hkv, per_head]`` float32 holding V^T's, Q's and K's hi and lo parts (csrc/common/tf32_workspace.h
+    split_tf32_per_head): per (batch row, KV head) twice V^T's ``D' * Sk'`` floats, its query heads' ``G * Sq * D``
+    and its own ``Sk * D``."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, _, vt_per_head = tf32_workspace_shape(q, k)
+    _, seqlen_k, heads_kv, _ = k.shape
+    group = heads_q // heads_kv
+    return (batch, heads_kv, 2 * (vt_per_head + group * seqlen_q * head_dim + seqlen_k * head_dim))
+
+
 def tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
     """``[B, Hkv, D' * Sk']`` float32: V^T with the head dim D' of the kernel (64 or 128) and Sk' = seqlen_k in whole
     8-key chunks (csrc/common/tf32_workspace.h)."""
@@ -96,8 +126,12 @@ def tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
 
 def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
                   dense: DenseOperands) -> tuple[jax.Array, jax.Array]:
-    workspace = (_result(k, tf32_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
-                 if _uses_tf32_workspace(q, masks, config, dense) else jax.ShapeDtypeStruct((0,), jnp.float32))
+    if _uses_tf32_workspace(q, masks, config, dense):
+        workspace = _result(k, tf32_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
+    elif _uses_split_tf32_workspace(q, masks, config, dense):
+        workspace = _result(k, split_tf32_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
+    else:
+        workspace = jax.ShapeDtypeStruct((0,), jnp.float32)
     results = (_result(q, q.shape, q.dtype), _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS), workspace)
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
     o, lse, _ = call(q, k, v, *masks, *_dense_arguments(dense), **_forward_attributes(config))

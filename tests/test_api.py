@@ -223,6 +223,44 @@ def test_raw_target_accepts_the_tf32_workspace():
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_plain))
 
 
+def test_raw_target_accepts_the_split_tf32_workspace_and_checks_its_size():
+    """A float32 call with float32_precision="highest" may pass the split-TF32 workspace (the Hopper split-TF32
+    forward's; ignored elsewhere): V^T's, Q's and K's hi and lo parts, so per (batch row, KV head) twice
+    64 * 24 + 2 * 19 * 16 + 23 * 16 floats. A workspace of any other size is refused, naming it."""
+    q, k, v = _inputs()
+    per_head = 2 * (64 * 24 + 2 * 19 * 16 + 23 * 16)
+    assert _ffi_calls.split_tf32_workspace_shape(q, k) == (2, 2, per_head)
+    o, lse = _raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, per_head))
+    o_plain, lse_plain = _raw_forward(q, k, v, q.shape, (2, 4, 19))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_plain))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_plain))
+    with pytest.raises(Exception, match="tf32_vt"):
+        jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, 64 * 24)))
+
+
+@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none")])
+def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected):
+    """JAX_FLASH_SM90_SPLIT_TF32=1 gives float32 "highest" calls of the common form the split-TF32 workspace (its
+    shape is in the lowered call); unset or 0, none. Either way the CPU result is the same exact float32."""
+    q, k, v = _inputs()
+    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, setting)
+    call = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, float32_precision="highest")
+    text = jax.jit(call).lower(q, k, v).as_text()
+    split_type = "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1])
+    assert (split_type in text) == (expected == "split")
+    o = call(q, k, v)
+    monkeypatch.delenv(_ffi_calls.SPLIT_TF32_ENV)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(call(q, k, v)))
+
+
+def test_split_tf32_workspace_only_for_the_common_form(monkeypatch):
+    """Softcap (a transformed score) keeps the exact float32 kernel: no split-TF32 workspace."""
+    q, k, v = _inputs()
+    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, "1")
+    text = jax.jit(lambda *a: jax_flash.attention(*a, softcap=5.0, float32_precision="highest")).lower(q, k, v).as_text()
+    assert "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1]) not in text
+
+
 BAD_ARGUMENTS = [
     (dict(q=jnp.zeros((2, 3, 4))), ValueError, "q must have rank 4"),
     (dict(k=jnp.zeros((2, 23, 2, 16), jnp.bfloat16)), TypeError, "share one dtype"),

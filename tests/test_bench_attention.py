@@ -36,8 +36,8 @@ def expected(implementation: str, feature: str, causal: bool):
 
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("feature", ("none", "padding_mask", "softcap"))
-@pytest.mark.parametrize("implementation", ("jax_flash_tf32", "jax_flash_f32_highest", "xla_f32_default",
-                                            "xla_f32_highest", "jax_flash_sm80"))
+@pytest.mark.parametrize("implementation", ("jax_flash_tf32", "jax_flash_f32_highest", "jax_flash_f32_split",
+                                            "xla_f32_default", "xla_f32_highest", "jax_flash_sm80"))
 def test_rows_compute_their_feature(implementation, feature, causal):
     attend = bench.attention_fn(implementation, causal, feature, batch=BATCH, seqlen=SEQLEN)
     out = np.asarray(jax.jit(attend)(*inputs()), np.float64)
@@ -46,6 +46,25 @@ def test_rows_compute_their_feature(implementation, feature, causal):
     if feature != "none" and (feature == "padding_mask" or implementation.startswith("jax_flash")):
         plain = np.asarray(expected(implementation, "none", causal), np.float64)
         assert np.max(np.abs(plain - want)) > 1e-2, "the feature does not change this call: the test is vacuous"
+
+
+@pytest.mark.parametrize("setting", (None, "0", "1"))
+def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch, setting):
+    """The split row's call is traced with JAX_FLASH_SM90_SPLIT_TF32=1 (its lowered call carries the split-TF32
+    workspace), the exact row's with 0, whatever the process has; the process's value is back afterwards."""
+    from jax_flash import _ffi_calls
+
+    if setting is None:
+        monkeypatch.delenv(_ffi_calls.SPLIT_TF32_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, setting)
+    q, k, v = inputs()
+    workspace = "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k))
+    lowered = {row: jax.jit(bench.attention_fn(row, True)).lower(q, k, v).as_text()
+               for row in ("jax_flash_f32_split", "jax_flash_f32_highest")}
+    assert workspace in lowered["jax_flash_f32_split"]
+    assert workspace not in lowered["jax_flash_f32_highest"]
+    assert os.environ.get(_ffi_calls.SPLIT_TF32_ENV) == setting
 
 
 def test_short_calls_get_enough_repetitions_for_a_long_trial():

@@ -1137,6 +1137,26 @@ def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkey
     check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
 
 
+# The split-TF32 forward (float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32=1: each operand as two TF32
+# parts, three TF32 WGMMAs per GEMM; csrc/common/tf32_workspace.h) must meet the exact mode's bound. Forcing sm90
+# (JAX_FLASH_CUDA_KERNEL_F32) makes a call it cannot run an error, so a pass shows the split kernel computed it.
+@pytest.mark.parametrize("head_dim", (64, 128, 36, 100), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
+                                                   ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
+                                                   ((200, 200), (4, 2), "window"), ((150, 190), (4, 2), "seqlens"),
+                                                   ((160, 160), (2, 2), "segments")),
+                         ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal", "window", "seqlens",
+                              "segments"))
+def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[0])
+    check_float32_on_gpu(case, "highest", gradients=False, **feature_kwargs(feature, case))
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
     """Many key tiles per CTA and both consumer warpgroups busy: where the thirteenth session's dQ pass released a

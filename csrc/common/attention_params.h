@@ -72,6 +72,9 @@ struct AttentionParams {
   // by the call itself before its kernel reads it. nullptr where the call passed none (then the float32 forward runs
   // the mma.sync kernels).
   float* tf32_vt = nullptr;
+  // With allow_tf32 false, a workspace (tf32_vt) asks for split TF32 on the Hopper kernel: tf32_vt is then the
+  // start of the split-TF32 workspace (common/tf32_workspace.h split_tf32_parts). The CPU kernels ignore it.
+  bool split_tf32 = false;
 
   // Masking by position. Query row i is "at" key column diag(i) = i + diagonal_offset, plus
   // (seqlen_k_b - seqlen_q_b) when align_to_sequence_end (FlashAttention's bottom-right convention; the

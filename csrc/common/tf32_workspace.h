@@ -23,4 +23,41 @@ constexpr int64_t tf32_vt_per_head(int64_t seqlen_k, int64_t head_dim) {
   return tf32_vt_head_dim(head_dim) * tf32_vt_keys(seqlen_k);
 }
 
+// Split TF32 (float32_precision="highest" on the Hopper kernel, JAX_FLASH_SM90_SPLIT_TF32): every operand x is
+// carried as two TF32 numbers, hi = tf32(x) and lo = tf32(x - hi), and each product as lo*hi + hi*lo + hi*hi on
+// the TF32 tensor cores (float32 accumulation), which leaves about 2^-21 of x*y: float32's accuracy at a third of
+// TF32's rate. The workspace then holds, one after the other: V^T hi and V^T lo (each as the V^T workspace above),
+// Q hi and Q lo (each shaped like q), K hi and K lo (each shaped like k), written by the call's pre-passes
+// (cuda/sm90/split_tf32_prepass.h). Declared [*batch, heads_kv, per_head] like the V^T workspace, so per (batch
+// row, KV head) it holds the floats of its `group` = heads_q / heads_kv query heads and of its KV head.
+constexpr int64_t split_tf32_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_t group, int64_t head_dim) {
+  return 2 * (tf32_vt_per_head(seqlen_k, head_dim) + group * seqlen_q * head_dim + seqlen_k * head_dim);
+}
+
+// The six parts of a split-TF32 workspace that starts at `base`, for `batch` (every leading dimension) x heads_kv
+// (batch rows, KV heads).
+struct SplitTf32Parts {
+  float* vt_hi;
+  float* vt_lo;
+  float* q_hi;
+  float* q_lo;
+  float* k_hi;
+  float* k_lo;
+};
+
+inline SplitTf32Parts split_tf32_parts(float* base, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                       int64_t heads_q, int64_t heads_kv, int64_t head_dim) {
+  const int64_t vt = batch * heads_kv * tf32_vt_per_head(seqlen_k, head_dim);
+  const int64_t q = batch * seqlen_q * heads_q * head_dim;
+  const int64_t k = batch * seqlen_k * heads_kv * head_dim;
+  SplitTf32Parts parts{};
+  parts.vt_hi = base;
+  parts.vt_lo = parts.vt_hi + vt;
+  parts.q_hi = parts.vt_lo + vt;
+  parts.q_lo = parts.q_hi + q;
+  parts.k_hi = parts.q_lo + q;
+  parts.k_lo = parts.k_hi + k;
+  return parts;
+}
+
 }  // namespace jax_flash

@@ -260,6 +260,34 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
   return sm90_forward_size_refusal(p);
 }
 
+// Empty when the split-TF32 forward (sm90/split_tf32_launch.h) can run this float32 call, else why not. The Python
+// side passes its workspace only to the calls it sends there (jax_flash/_ffi_calls.py _uses_split_tf32_workspace).
+std::string sm90_split_tf32_refusal(const AttentionParams& p) {
+  if (!p.split_tf32) return "the call has no split-TF32 workspace (jax_flash/_ffi_calls.py _uses_split_tf32_workspace)";
+  if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
+  if (sm90::forward_variant(p) != sm90::ForwardVariant::kCommon) {
+    return "split TF32: softcap, ALiBi, bias and mask run on the float32 kernels";
+  }
+  if (!sm90_tf32_built(p.head_dim)) {
+    return build_refusal("no sm_90a split-TF32 kernel for head_dim " + std::to_string(p.head_dim));
+  }
+  if (current_device_major() != 9) return "the device is not compute capability 9.x";
+  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides, the pre-pass's float4s
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.o) || !aligned16(p.tf32_vt)) {
+    return "q, k, o and the split-TF32 workspace must be 16-byte aligned";
+  }
+  return sm90_forward_size_refusal(p);
+}
+
+std::string run_sm90_split_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
+  if (tf32_vt_head_dim(p.head_dim) == 64) {
+    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_split_tf32_forward<64>(p, stream);
+  } else {
+    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_split_tf32_forward<128>(p, stream);
+  }
+  return "internal error: no sm90 split-TF32 kernel for head dim " + std::to_string(p.head_dim);
+}
+
 std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
   if (tf32_vt_head_dim(p.head_dim) == 64) {
     if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_forward<64, cutlass::tfloat32_t>(p, stream);
@@ -366,13 +394,18 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
   if (std::string err = check_supported(p); !err.empty()) return err;
   if (nothing_to_do(p)) return {};
   if (p.element_type == ElementType::kFloat32) {
+    // With float32_precision="highest", the split-TF32 workspace asks for the split-TF32 kernel; the rest of
+    // "highest" runs the exact float32 kernel.
     bool use_sm90 = false;
-    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32", "sm90 TF32 forward", /*unset_means_auto=*/true,
-                                      [&] { return sm90_tf32_refusal(p); }, &use_sm90);
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32",
+                                      p.split_tf32 ? "sm90 split-TF32 forward" : "sm90 TF32 forward",
+                                      /*unset_means_auto=*/true,
+                                      [&] { return p.split_tf32 ? sm90_split_tf32_refusal(p) : sm90_tf32_refusal(p); },
+                                      &use_sm90);
         !err.empty()) {
       return err;
     }
-    if (use_sm90) return run_sm90_tf32_forward(p, stream);
+    if (use_sm90) return p.split_tf32 ? run_sm90_split_tf32_forward(p, stream) : run_sm90_tf32_forward(p, stream);
     return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
       return f32::launch_forward<decltype(dim)::value>(p, stream);
     });

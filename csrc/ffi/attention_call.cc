@@ -166,15 +166,19 @@ ffi::Error decode_forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, 
   JF_RETURN_IF_ERROR(check_kv_chunks(layout.kv_chunks, *p));
   while ((int64_t(1) << p->position_shift) < layout.packed_heads) ++p->position_shift;
   p->kv_chunks = layout.kv_chunks;
-  // tf32_vt: absent when empty, else the float32 V^T workspace [*batch, heads_kv, per head] of a float32 call with
-  // allow_tf32 and head_dim <= 128 (common/tf32_workspace.h).
+  // tf32_vt: absent when empty, else a float32 workspace [*batch, heads_kv, per head] of a float32 call with
+  // head_dim <= 128 (common/tf32_workspace.h): with allow_tf32 the V^T workspace, without it the split-TF32 one.
   if (tf32_vt.element_count() > 0) {
-    if (p->element_type != ElementType::kFloat32 || !p->allow_tf32 || p->head_dim > kTf32MaxHeadDim) {
-      return invalid("tf32_vt is only for float32 calls with allow_tf32 and head_dim <= 128");
+    if (p->element_type != ElementType::kFloat32 || p->head_dim > kTf32MaxHeadDim) {
+      return invalid("tf32_vt is only for float32 calls with head_dim <= 128");
     }
-    JF_RETURN_IF_ERROR(expect_buffer("tf32_vt", tf32_vt, ffi::DataType::F32, batch_prefix(q),
-                                     {p->heads_kv, tf32_vt_per_head(p->seqlen_k, p->head_dim)}));
+    const int64_t per_head =
+        p->allow_tf32 ? tf32_vt_per_head(p->seqlen_k, p->head_dim)
+                      : split_tf32_per_head(p->seqlen_q, p->seqlen_k, p->heads_q / p->heads_kv, p->head_dim);
+    JF_RETURN_IF_ERROR(
+        expect_buffer("tf32_vt", tf32_vt, ffi::DataType::F32, batch_prefix(q), {p->heads_kv, per_head}));
     p->tf32_vt = static_cast<float*>(tf32_vt.untyped_data());
+    p->split_tf32 = !p->allow_tf32;
   }
   return ffi::Error::Success();
 }

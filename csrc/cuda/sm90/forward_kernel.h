@@ -62,6 +62,7 @@
 #include "kernel_traits.h"
 #include "online_softmax.h"
 #include "persistent_pass.h"
+#include "split_tf32_mma.h"
 #include "tma_shapes.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -215,57 +216,105 @@ __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, i
   for (int r = thread; r < rb.rows_in_bounds; r += kThreads) lse[r] = -INFINITY;
 }
 
+// Split TF32 (Traits::kSplit): the lo parts' TMA descriptors and shared-memory buffers. Elsewhere the hi parts
+// themselves, so that the code naming them compiles for every kernel; only kSplit code uses them.
+template <class Traits>
+__device__ __forceinline__ auto const& low_part_tmas(const ForwardArgs<Traits>& args) {
+  if constexpr (Traits::kSplit) {
+    return args.tma_lo;
+  } else {
+    return args;
+  }
+}
+template <class Traits>
+__device__ __forceinline__ auto* low_q_buffer(typename Traits::SharedStorage& smem) {
+  if constexpr (Traits::kSplit) {
+    return smem.q_lo.data();
+  } else {
+    return smem.q.data();
+  }
+}
+template <class Traits>
+__device__ __forceinline__ auto* low_k_buffer(typename Traits::SharedStorage& smem) {
+  if constexpr (Traits::kSplit) {
+    return smem.k_lo.data();
+  } else {
+    return smem.k.data();
+  }
+}
+template <class Traits>
+__device__ __forceinline__ auto* low_v_buffer(typename Traits::SharedStorage& smem) {
+  if constexpr (Traits::kSplit) {
+    return smem.v_lo.data();
+  } else {
+    return smem.v.data();
+  }
+}
+
 // Producer, one tile (round `round` of this CTA): the first K, then Q once the previous round freed Q's buffer,
-// then the rest of K and V. `write` carries the pipelines' position from tile to tile.
+// then the rest of K and V. `write` carries the pipelines' position from tile to tile. Split TF32 loads each
+// operand's lo part with its hi part, on the same barrier (whose transaction count covers both).
 template <class Traits, ForwardVariant kVariant>
 __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, typename Traits::SharedStorage& smem,
                           typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                           typename Traits::PipelineState& write, int round) {
   using namespace cute;
   const AttentionParams& p = args.p;
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   const auto q_shape = query_tma_shape(p);
   const auto kv_shape = key_tma_shape(p);
-  Tensor mQ = args.tma_q.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch);
-  Tensor mK = args.tma_k.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
   const int m_block = static_cast<int>(rb.m0 / Traits::kBlockM);
-  Tensor gQ = local_tile(mQ, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(mK, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
-  // V's stages, and its key tiles (the last mode) in global memory: V itself, or TF32's V^T workspace.
-  auto [sV, gV] = [&] {
+  // (TMA source, TMA destination) of one part of an operand: Q's tile; K's key tiles (TMA, TMA_N, TMA_D, n) and
+  // stages (..., stage); V's the same, from V itself or from TF32's V^T workspace.
+  auto q_part = [&](auto const& tma, auto* buffer) {
+    Tensor mQ = tma.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch);
+    Tensor gQ = local_tile(mQ, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));
+    Tensor sQ = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutQ{});
+    auto slice = tma.get_slice(0);
+    return std::make_pair(slice.partition_S(gQ), slice.partition_D(sQ));
+  };
+  auto k_part = [&](auto const& tma, auto* buffer) {
+    Tensor mK = tma.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
+    Tensor gK = local_tile(mK, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));
+    Tensor sK = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutKV{});
+    auto slice = tma.get_slice(0);
+    return std::make_pair(slice.partition_S(gK), slice.partition_D(sK));
+  };
+  auto v_part = [&](auto const& tma, auto* buffer) {
+    auto slice = tma.get_slice(0);
     if constexpr (Traits::kTf32) {
       const auto vt_shape = make_shape(int32_t(Traits::kHeadDim), int32_t(tf32_vt_keys(p.seqlen_k)),
                                        int32_t(p.heads_kv), int32_t(p.batch));
-      Tensor mVt = args.tma_v.get_tma_tensor(vt_shape)(_, _, rb.head_kv, rb.batch);
-      return std::make_pair(make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{}),
-                            local_tile(mVt, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, make_coord(0, _)));
+      Tensor mVt = tma.get_tma_tensor(vt_shape)(_, _, rb.head_kv, rb.batch);
+      Tensor gVt = local_tile(mVt, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, make_coord(0, _));
+      Tensor sVt = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutVt{});
+      return std::make_pair(slice.partition_S(gVt), slice.partition_D(sVt));
     } else {
-      Tensor mV = args.tma_v.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
-      return std::make_pair(make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{}),
-                            local_tile(mV, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0)));
+      return k_part(tma, buffer);
     }
-  }();
-
-  auto tma_q = args.tma_q.get_slice(0);
-  auto tma_k = args.tma_k.get_slice(0);
-  auto tma_v = args.tma_v.get_slice(0);
-  Tensor tQgQ = tma_q.partition_S(gQ);
-  Tensor tQsQ = tma_q.partition_D(sQ);
-  Tensor tKgK = tma_k.partition_S(gK);  // (TMA, TMA_N, TMA_D, n)
-  Tensor tKsK = tma_k.partition_D(sK);  // (TMA, TMA_N, TMA_D, stage)
-  Tensor tVgV = tma_v.partition_S(gV);
-  Tensor tVsV = tma_v.partition_D(sV);
+  };
+  const auto& low = low_part_tmas(args);
+  auto q_hi = q_part(args.tma_q, smem.q.data());
+  auto k_hi = k_part(args.tma_k, smem.k.data());
+  auto v_hi = v_part(args.tma_v, smem.v.data());
+  auto q_lo = q_part(low.tma_q, low_q_buffer<Traits>(smem));
+  auto k_lo = k_part(low.tma_k, low_k_buffer<Traits>(smem));
+  auto v_lo = v_part(low.tma_v, low_v_buffer<Traits>(smem));
 
   auto load_k = [&](int n_block) {
     pipeline_k.producer_acquire(write);
-    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, _, _, n_block),
-         tKsK(_, _, _, write.index()));
+    auto& barrier = *pipeline_k.producer_get_barrier(write);
+    copy(args.tma_k.with(barrier), k_hi.first(_, _, _, n_block), k_hi.second(_, _, _, write.index()));
+    if constexpr (Traits::kSplit) {
+      copy(low.tma_k.with(barrier), k_lo.first(_, _, _, n_block), k_lo.second(_, _, _, write.index()));
+    }
   };
   auto load_v = [&](int n_block) {
     pipeline_v.producer_acquire(write);
-    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, _, _, n_block),
-         tVsV(_, _, _, write.index()));
+    auto& barrier = *pipeline_v.producer_get_barrier(write);
+    copy(args.tma_v.with(barrier), v_hi.first(_, _, _, n_block), v_hi.second(_, _, _, write.index()));
+    if constexpr (Traits::kSplit) {
+      copy(low.tma_v.with(barrier), v_lo.first(_, _, _, n_block), v_lo.second(_, _, _, write.index()));
+    }
   };
 
   // The first K stage only needs a stage the consumers released, so it can stream in during the previous
@@ -273,8 +322,9 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   int n_block = rb.key_tiles.end - 1;
   load_k(n_block);
   if (round > 0) cutlass::arch::ClusterBarrier::wait(&smem.q_empty, (round - 1) & 1);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
-  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQLoadBytes);
+  copy(args.tma_q.with(smem.q_full), q_hi.first, q_hi.second);
+  if constexpr (Traits::kSplit) copy(low.tma_q.with(smem.q_full), q_lo.first, q_lo.second);
   load_v(n_block);
   ++write;
   for (n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
@@ -337,6 +387,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+  // Split TF32: the lo parts (elsewhere the same buffers again, unused).
+  Tensor sQlo = make_tensor(make_smem_ptr(low_q_buffer<Traits>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sKlo = make_tensor(make_smem_ptr(low_k_buffer<Traits>(smem)), typename Traits::SmemLayoutKV{});
+  Tensor sVtlo = make_tensor(make_smem_ptr(low_v_buffer<Traits>(smem)), typename Traits::SmemLayoutVt{});
 
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
@@ -349,6 +403,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor frag_q = desc_s.partition_fragment_A(sQ);  // smem descriptors
   Tensor frag_k = desc_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
   Tensor frag_vt = mma_o.get_thread_slice(descriptor_thread).partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_q_lo = desc_s.partition_fragment_A(sQlo);
+  Tensor frag_k_lo = desc_s.partition_fragment_B(sKlo);
+  Tensor frag_vt_lo = mma_o.get_thread_slice(descriptor_thread).partition_fragment_B(sVtlo);
+  constexpr bool kSplit = Traits::kSplit;
 
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
   clear(acc_o);
@@ -443,7 +501,11 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
   wait_turn();
   pipeline_k.consumer_wait(read);
-  issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, warp_uniform(read.index())), acc_s);
+  {
+    const int stage = warp_uniform(read.index());
+    issue_wgmma_parts<true, kSplit>(mma_s, frag_q, frag_q_lo, frag_k(_, _, _, stage), frag_k_lo(_, _, _, stage),
+                                    acc_s);
+  }
   pass_turn(false);
   warpgroup_wait<0>();
   pipeline_k.consumer_release(read);
@@ -451,19 +513,33 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   float correction[kRows];
   softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
   Tensor probs = make_tensor_like<T>(acc_s);
+  // Split TF32: the probabilities' lo parts (elsewhere one unused register tensor, optimised away).
+  Tensor probs_lo = [&] {
+    if constexpr (kSplit) {
+      return make_tensor_like<T>(acc_s);
+    } else {
+      return make_tensor<T>(Shape<_1>{});
+    }
+  }();
   auto convert_probs = [&] {
-    Tensor converted = sm80::converted<T>(acc_s);
-    CUTE_UNROLL
-    for (int i = 0; i < size(probs); ++i) probs(i) = converted(i);
+    if constexpr (kSplit) {
+      split_registers(acc_s, probs, probs_lo);
+    } else {
+      Tensor converted = sm80::converted<T>(acc_s);
+      CUTE_UNROLL
+      for (int i = 0; i < size(probs); ++i) probs(i) = converted(i);
+    }
   };
   convert_probs();
-  Tensor probs_operand = make_tensor(probs.data(), [&] {
+  auto operand_a_layout = [&] {
     if constexpr (Traits::kTf32) {
       return accumulator_as_tf32_operand_a(probs.layout());
     } else {
       return accumulator_as_operand_a(probs.layout());
     }
-  }());
+  };
+  Tensor probs_operand = make_tensor(probs.data(), operand_a_layout());
+  Tensor probs_lo_operand = make_tensor(kSplit ? probs_lo.data() : probs.data(), operand_a_layout());
   typename Traits::PipelineState previous = read;
   ++read;
 
@@ -473,9 +549,17 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     read_boolean_mask = reads_mask(n_block);
     wait_turn();
     pipeline_k.consumer_wait(read);
-    issue_wgmma<true>(mma_s, frag_q, frag_k(_, _, _, warp_uniform(read.index())), acc_s);
+    {
+      const int stage = warp_uniform(read.index());
+      issue_wgmma_parts<true, kSplit>(mma_s, frag_q, frag_q_lo, frag_k(_, _, _, stage), frag_k_lo(_, _, _, stage),
+                                      acc_s);
+    }
     pipeline_v.consumer_wait(previous);
-    issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, warp_uniform(previous.index())), acc_o);
+    {
+      const int stage = warp_uniform(previous.index());
+      issue_wgmma_parts<false, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
+                                       frag_vt_lo(_, _, _, stage), acc_o);
+    }
     pass_turn(false);
     warpgroup_wait<1>();  // S is ready; P V may still run
     pipeline_k.consumer_release(read);
@@ -494,7 +578,11 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   // Last P V.
   wait_turn();
   pipeline_v.consumer_wait(previous);
-  issue_wgmma<false>(mma_o, probs_operand, frag_vt(_, _, _, warp_uniform(previous.index())), acc_o);
+  {
+    const int stage = warp_uniform(previous.index());
+    issue_wgmma_parts<false, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
+                                     frag_vt_lo(_, _, _, stage), acc_o);
+  }
   pass_turn(true);
   if (group == last_group) progress.turn_passed = !last_tile;
   warpgroup_wait<0>();
@@ -610,6 +698,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kSplit) {
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_v.get_tma_descriptor());
+    }
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&smem.q_empty, Traits::kConsumerThreads);
   }
@@ -618,7 +711,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
                                 : Traits::Pipeline::ThreadCategory::Consumer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = Traits::kConsumerThreads;
-  params.transaction_bytes = Traits::kKVStageBytes;
+  params.transaction_bytes = Traits::kKVStageLoadBytes;
   typename Traits::Pipeline pipeline_k(smem.pipeline_k, params, Shape<_1, _1, _1>{});
   typename Traits::Pipeline pipeline_v(smem.pipeline_v, params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread before any use

@@ -30,9 +30,26 @@ auto bshd_tensor(const void* data, const Shape4& shape) {
   return make_tensor(make_gmem_ptr(static_cast<const T*>(data)), make_layout(shape, stride));
 }
 
-// The TMA descriptor of V's stages: V itself, or for TF32 the V^T workspace as (head_dim, keys, heads_kv, batch).
+// The TMA descriptors of Q's tile and K's stages over a BSHD array shaped like q / k at `data` (q and k themselves,
+// or split TF32's parts of them).
 template <class Traits>
-auto make_tma_v(const AttentionParams& p) {
+auto make_tma_q(const AttentionParams& p, const void* data) {
+  using namespace cute;
+  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, query_tma_shape(p)), typename Traits::SmemLayoutQ{},
+                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+}
+template <class Traits>
+auto make_tma_k(const AttentionParams& p, const void* data) {
+  using namespace cute;
+  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, key_tma_shape(p)),
+                       take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
+                       _1{});
+}
+
+// The TMA descriptor of V's stages: V itself, or for TF32 the V^T workspace at `tf32_vt` as (head_dim, keys,
+// heads_kv, batch).
+template <class Traits>
+auto make_tma_v(const AttentionParams& p, const float* tf32_vt) {
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -41,13 +58,11 @@ auto make_tma_v(const AttentionParams& p) {
     const auto shape = make_shape(int32_t(kHeadDim), int32_t(keys), int32_t(p.heads_kv), int32_t(p.batch));
     const auto stride = make_stride(keys, _1{}, kHeadDim * keys, p.heads_kv * kHeadDim * keys);
     return make_tma_copy(SM90_TMA_LOAD{},
-                         make_tensor(make_gmem_ptr(reinterpret_cast<const T*>(p.tf32_vt)), make_layout(shape, stride)),
+                         make_tensor(make_gmem_ptr(reinterpret_cast<const T*>(tf32_vt)), make_layout(shape, stride)),
                          take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{},
                          _1{});
   } else {
-    return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.v, key_tma_shape(p)),
-                         take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
-                         _1{});
+    return make_tma_k<Traits>(p, p.v);
   }
 }
 
@@ -194,9 +209,11 @@ inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per
 // results/env_ab_NVIDIA_H200_2026-12-04_widekeys_s29.json), wide against standard: d=128 non-causal 1k..16k 0.90,
 // 0.94, 0.97, 1.01, 1.03, causal 0.87, 0.94, 0.98, 0.99, 1.04; d=192 non-causal 0.97, 1.04, 1.10, 1.07, 1.14, causal
 // 0.98, 1.03, 1.07, 1.09, 1.08; d=256 non-causal 1.00, 1.04, 1.04, 1.03, 1.07, causal 0.98, 1.00, 1.03, 1.05, 1.01;
-// d=64 (192-key stages) 0.89-1.01, mostly below: never by default there.
+// d=64 (192-key stages) 0.89-1.01, mostly below: never by default there. At d=128 8k the thirty-third session's
+// same-process A/Bs (env_ab_NVIDIA_H200_2026-12-04_widekeys128_s33*.json, three rounds each) had wide against auto
+// (then standard) non-causal 1.085, 1.045, 1.025 and causal 1.015, so d=128 takes it from 8192 keys.
 constexpr bool wide_keys_by_default(int head_dim, int64_t seqlen_k) {
-  if (head_dim == 128) return seqlen_k > 8192;
+  if (head_dim == 128) return seqlen_k >= 8192;
   return (head_dim == 192 || head_dim == 256) && seqlen_k >= 2048;
 }
 
@@ -223,18 +240,19 @@ std::string resident_ctas(int64_t* ctas) {
 // One kernel form with one tile, on the per-tile or the persistent grid.
 template <class Traits, ForwardVariant kVariant>
 std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_ctas, cudaStream_t stream) {
-  using namespace cute;
-  constexpr int kHeadDim = Traits::kHeadDim;
   ForwardArgs<Traits> args{p,
                            TileGrid{},
-                           make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.q, query_tma_shape(p)),
-                                         typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{},
-                                         _1{}),
-                           make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(p.k, key_tma_shape(p)),
-                                         take<0, 2>(typename Traits::SmemLayoutKV{}),
-                                         Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
-                           make_tma_v<Traits>(p),
-                           make_tma_o<Traits>(p)};
+                           make_tma_q<Traits>(p, p.q),
+                           make_tma_k<Traits>(p, p.k),
+                           make_tma_v<Traits>(p, p.tf32_vt),
+                           make_tma_o<Traits>(p),
+                           {}};
+  if constexpr (Traits::kSplit) {  // split_tf32_launch.h: p.q and p.k are the hi parts already
+    const SplitTf32Parts parts =
+        split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
+    args.tma_lo = {make_tma_q<Traits>(p, parts.q_lo), make_tma_k<Traits>(p, parts.k_lo),
+                   make_tma_v<Traits>(p, parts.vt_lo)};
+  }
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile

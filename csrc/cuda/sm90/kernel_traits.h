@@ -64,7 +64,9 @@ struct ForwardTile {
 // operands: a quarter of its MMAs and loads wasted). d=96 takes d=128's tile with a third K/V stage, which the
 // narrower rows leave room for; d=192 takes d=256's key tile and, unlike d=256, fits an O buffer of its own (its
 // wide-keys tile does not).
-enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys };
+// kSplitTf32 is not a row choice of the 16-bit kernels but the tile of the split-TF32 forward (float32, each operand
+// as two TF32 parts: tf32_workspace.h): split_tf32_forward_tile.
+enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys, kSplitTf32 };
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
@@ -91,6 +93,13 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
 // d=128: 64 + 2 x (32 + 32) = 192 KiB, O staged in Q's buffer; S 32, P 32, O 64.
 constexpr ForwardTile tf32_forward_tile(int head_dim) {
   return head_dim == 64 ? ForwardTile{128, 128, 2} : ForwardTile{128, 64, 2};
+}
+
+// Split TF32: every operand buffer twice (hi and lo parts), so half the TF32 tile's rows or keys. d=64: 2 x 32 (Q)
+// + 2 x 2 x (16 + 16) K/V (+ 32 O) = 224 KiB; S 32 registers, P 32 + 32 (hi, lo), O 32. d=128, one consumer:
+// 2 x 32 + 2 x 2 x (16 + 16) (+ 32 O) = 224 KiB; S 16, P 16 + 16, O 64.
+constexpr ForwardTile split_tf32_forward_tile(int head_dim) {
+  return head_dim == 64 ? ForwardTile{128, 64, 2} : ForwardTile{64, 32, 2};
 }
 
 template <class Element>
@@ -146,8 +155,15 @@ struct ForwardTraits {
   // TF32: O is float32, and V reaches shared memory transposed (tf32_v_transpose.h), since a TF32 WGMMA takes its B
   // operand K-major only (for P V: keys contiguous).
   static constexpr bool kTf32 = is_tf32<Element>;
+  // Split TF32 (tf32_workspace.h): Q, K and V^T come as hi and lo parts, each in a buffer of its own, loaded on the
+  // same barriers; each GEMM is three WGMMAs (split_tf32_mma.h).
+  static constexpr bool kSplit = kRows == RowTile::kSplitTf32;
+  static_assert(!kSplit || kTf32, "split TF32 is a float32 kernel");
+  static constexpr int kOperandParts = kSplit ? 2 : 1;
   using OutElement = std::conditional_t<kTf32, float, Element>;
-  static constexpr ForwardTile kTile = kTf32 ? tf32_forward_tile(kHeadDim) : forward_tile(kHeadDim, kRows);
+  static constexpr ForwardTile kTile = kSplit  ? split_tf32_forward_tile(kHeadDim)
+                                       : kTf32 ? tf32_forward_tile(kHeadDim)
+                                               : forward_tile(kHeadDim, kRows);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -193,6 +209,9 @@ struct ForwardTraits {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
+  // Bytes a Q load or a K / V stage brings in (the transaction counts): every part of the operand.
+  static constexpr uint32_t kQLoadBytes = kQBytes * kOperandParts;
+  static constexpr uint32_t kKVStageLoadBytes = kKVStageBytes * kOperandParts;
 
   // O is staged in shared memory for 16-byte row stores. Where a buffer of its own fits (the standard tiles of head
   // dims 64, 96, 128 and 192; not d=256 nor the wide-keys tiles of d >= 128),
@@ -202,14 +221,22 @@ struct ForwardTraits {
   // 227 KiB per CTA on the H100/H200, of 228 KiB per SM, each resident CTA reserving 1 KiB of it.
   static constexpr int kSmemLimit = kCtasPerSm == 1 ? 227 * 1024 : 228 * 1024 / kCtasPerSm - 1024;
   static constexpr bool kOwnOutputBuffer =
-      2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= kSmemLimit;  // 1024: barriers and alignment
+      (1 + kOperandParts) * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit;  // 1024: barriers, alignment
   static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
   struct OutputBuffer {
     cute::array_aligned<OutElement, cosize_v<SmemLayoutQ>, 1024> o;
   };
   struct NoOutputBuffer {};
+  // Split TF32: the lo parts (the hi parts take q, k and v below).
+  struct LowParts {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q_lo;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k_lo;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v_lo;
+  };
+  struct NoLowParts {};
 
-  struct SharedStorage : std::conditional_t<kOwnOutputBuffer, OutputBuffer, NoOutputBuffer> {
+  struct SharedStorage : std::conditional_t<kOwnOutputBuffer, OutputBuffer, NoOutputBuffer>,
+                         std::conditional_t<kSplit, LowParts, NoLowParts> {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
@@ -255,7 +282,16 @@ struct TileGrid {
   uint32_t band;        // causal: slices per band of the longest-first order (forward_kernel.h split_tile)
 };
 
-// Kernel arguments: the plain parameters, the tile numbering and the three TMA descriptors (built per call).
+// Kernel arguments: the plain parameters, the tile numbering and the TMA descriptors (built per call).
+// Split TF32: the descriptors of the lo parts (ForwardArgs' own then read the hi parts), named like those.
+template <class Traits>
+struct LowPartTmas {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaV tma_v;
+};
+struct NoLowPartTmas {};
+
 template <class Traits>
 struct ForwardArgs {
   AttentionParams p;
@@ -264,6 +300,7 @@ struct ForwardArgs {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaO tma_o;  // built only where Traits::kTmaStoreO
+  std::conditional_t<Traits::kSplit, LowPartTmas<Traits>, NoLowPartTmas> tma_lo;
 };
 
 }  // namespace jax_flash::cuda::sm90

@@ -15,6 +15,11 @@ namespace jax_flash::cuda::sm90 {
 template <int kHeadDim, class Element>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
+// Split TF32 (float32_precision="highest" with the split-TF32 workspace; head dims 64 and 128, built with the TF32
+// forward): split_tf32_launch.h.
+template <int kHeadDim>
+std::string launch_split_tf32_forward(const AttentionParams& p, cudaStream_t stream);
+
 // The Hopper backward (backward_traits.h); dispatch.cu runs it on 9.x for the calls it supports
 // (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
 // Built head dims: the generated built_sm90_head_dims.h (CMakeLists.txt), read by dispatch.cu.

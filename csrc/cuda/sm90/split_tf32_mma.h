@@ -1,0 +1,76 @@
+// Split TF32 on the Hopper tensor cores (common/tf32_workspace.h): a float32 x is carried as hi = tf32(x) and
+// lo = tf32(x - hi), and a product x * y as lo_x * hi_y + hi_x * lo_y + hi_x * hi_y, the lo * lo term (about 2^-22
+// of it) left out. Each part keeps 11 significant bits, so the three products are exact in the float32
+// accumulator's range, and what is lost is the rounding of lo (2^-11 of lo, i.e. ~2^-22 of x) and the lo * lo term:
+// about float32's own rounding, at three TF32 WGMMAs per GEMM.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "fragments.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// x rounded to TF32, its low 13 bits cleared: exactly the value the tensor cores read, so that x - hi is exact.
+__device__ __forceinline__ float tf32_high_part(float x) {
+  return __uint_as_float(__float_as_uint(round_to_tf32(x)) & 0xffffe000u);
+}
+
+// (hi, lo) of x: hi + lo equals x to within 2^-22 of |x|.
+__device__ __forceinline__ void split_to_tf32(float x, float& hi, float& lo) {
+  hi = tf32_high_part(x);
+  lo = tf32_high_part(x - hi);
+}
+
+// Register operand parts from float32 accumulators (the probabilities of P V): hi and lo share acc's layout.
+template <class Acc, class Part>
+__device__ __forceinline__ void split_registers(Acc const& acc, Part& hi, Part& lo) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc); ++i) {
+    float h, l;
+    split_to_tf32(acc(i), h, l);
+    hi(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(h));
+    lo(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(l));
+  }
+}
+
+// issue_wgmma (fragments.h) of A * B; with kSplit the three partial products, the two small ones first, as one
+// committed batch, so that the caller's warpgroup_wait<N> counts GEMMs as before. a_lo / b_lo are ignored when
+// !kSplit (callers pass the hi parts there).
+template <bool kZeroInit, bool kSplit, class TiledMma, class A, class B, class Acc>
+__device__ __forceinline__ void issue_wgmma_parts(TiledMma& mma, A& a_hi, A& a_lo, B const& b_hi, B const& b_lo,
+                                                  Acc& acc) {
+  using namespace cute;
+  if constexpr (!kSplit) {
+    issue_wgmma<kZeroInit>(mma, a_hi, b_hi, acc);
+  } else {
+    constexpr bool kRegisterA =
+        std::is_same_v<std::remove_cv_t<typename A::value_type>, typename TiledMma::ValTypeA>;
+    if constexpr (kRegisterA) {
+      warpgroup_fence_operand(a_hi);
+      warpgroup_fence_operand(a_lo);
+    }
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a_hi); ++k) {
+      cute::gemm(mma, a_lo(_, _, k), b_hi(_, _, k), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a_hi); ++k) cute::gemm(mma, a_hi(_, _, k), b_lo(_, _, k), acc);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a_hi); ++k) cute::gemm(mma, a_hi(_, _, k), b_hi(_, _, k), acc);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+    if constexpr (kRegisterA) {
+      warpgroup_fence_operand(a_hi);
+      warpgroup_fence_operand(a_lo);
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90
