@@ -175,8 +175,13 @@ struct ForwardTraits {
   // launched with (registers_fit).
   static constexpr int kProducerRegisters =
       kConsumerGroups == 3 ? 32 : (kConsumerGroups == 2 || kCtasPerSm >= 2) ? 24 : 40;
-  static constexpr int kConsumerRegisters =
-      kConsumerGroups == 3 ? 160 : kCtasPerSm == 3 ? 136 : kCtasPerSm == 2 ? 232 : 240;
+  // (A lone consumer of one CTA per SM may take setmaxnreg's 256: the split-TF32 d=128 tile, whose three sets of
+  // operand descriptors spilled 56 bytes at 240.)
+  static constexpr int kConsumerRegisters = kConsumerGroups == 3 ? 160
+                                            : kCtasPerSm == 3    ? 136
+                                            : kCtasPerSm == 2    ? 232
+                                            : kSplit && kConsumerGroups == 1 ? 256
+                                                                             : 240;
   static_assert(kConsumerGroups >= 1 && kConsumerGroups <= 3, "register split for 1 to 3 consumers");
   static_assert(kCtasPerSm == 1 || (kCtasPerSm <= 3 && kConsumerGroups == 1), "several CTAs per SM: one consumer each");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
