@@ -1117,17 +1117,22 @@ def test_float32_tf32_forward_kernel_switch(monkeypatch):
                                                       dropout_rng=jax.random.key(0)))
 
 
+# Shapes and features of the Hopper float32 kernels' tests: GQA / MQA, one query row over 4100 keys, causal with
+# fewer keys than queries, windows, sequence lengths, segments.
+HOPPER_FLOAT32_SHAPES = pytest.mark.parametrize(
+    "seqlens,heads,feature",
+    (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"), ((1, 4100), (8, 1), "none"),
+     ((129, 70), (2, 1), "causal"), ((200, 200), (4, 2), "window"), ((150, 190), (4, 2), "seqlens"),
+     ((160, 160), (2, 2), "segments")),
+    ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal", "window", "seqlens", "segments"))
+
+
 # The TF32 backward on the Hopper kernels (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD, read at every call: unset or auto runs
 # them where they can run the call, sm90 insists, sm80 keeps the mma.sync passes): forcing them fails loudly where
 # they cannot run a call, so a pass shows that they computed these gradients (dK/dV and dQ passes). Windows, seqlens
 # and segment ids are SliceMask positions, which their common form applies like the 16-bit kernels'.
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100))
-@pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
-                                                   ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
-                                                   ((200, 200), (4, 2), "window"), ((150, 190), (4, 2), "seqlens"),
-                                                   ((160, 160), (2, 2), "segments")),
-                         ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal", "window", "seqlens",
-                              "segments"))
+@HOPPER_FLOAT32_SHAPES
 def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
@@ -1141,12 +1146,7 @@ def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkey
 # parts, three TF32 WGMMAs per GEMM; csrc/common/tf32_workspace.h) must meet the exact mode's bound. Forcing sm90
 # (JAX_FLASH_CUDA_KERNEL_F32) makes a call it cannot run an error, so a pass shows the split kernel computed it.
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100), ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("seqlens,heads,feature", (((1000, 1000), (8, 2), "causal"), ((300, 777), (4, 4), "none"),
-                                                   ((1, 4100), (8, 1), "none"), ((129, 70), (2, 1), "causal"),
-                                                   ((200, 200), (4, 2), "window"), ((150, 190), (4, 2), "seqlens"),
-                                                   ((160, 160), (2, 2), "segments")),
-                         ids=("1000-gqa-causal", "300x777", "1x4100-mqa", "129x70-causal", "window", "seqlens",
-                              "segments"))
+@HOPPER_FLOAT32_SHAPES
 def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")

@@ -227,27 +227,17 @@ __device__ __forceinline__ auto const& low_part_tmas(const ForwardArgs<Traits>& 
   }
 }
 template <class Traits>
-__device__ __forceinline__ auto* low_q_buffer(typename Traits::SharedStorage& smem) {
-  if constexpr (Traits::kSplit) {
-    return smem.q_lo.data();
-  } else {
-    return smem.q.data();
-  }
-}
+struct LowPartBuffers {
+  typename Traits::Element* q;
+  typename Traits::Element* k;
+  typename Traits::Element* v;
+};
 template <class Traits>
-__device__ __forceinline__ auto* low_k_buffer(typename Traits::SharedStorage& smem) {
+__device__ __forceinline__ LowPartBuffers<Traits> low_part_buffers(typename Traits::SharedStorage& smem) {
   if constexpr (Traits::kSplit) {
-    return smem.k_lo.data();
+    return {smem.q_lo.data(), smem.k_lo.data(), smem.v_lo.data()};
   } else {
-    return smem.k.data();
-  }
-}
-template <class Traits>
-__device__ __forceinline__ auto* low_v_buffer(typename Traits::SharedStorage& smem) {
-  if constexpr (Traits::kSplit) {
-    return smem.v_lo.data();
-  } else {
-    return smem.v.data();
+    return {smem.q.data(), smem.k.data(), smem.v.data()};
   }
 }
 
@@ -263,31 +253,31 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   const auto q_shape = query_tma_shape(p);
   const auto kv_shape = key_tma_shape(p);
   const int m_block = static_cast<int>(rb.m0 / Traits::kBlockM);
-  // (TMA source, TMA destination) of one part of an operand: Q's tile; K's key tiles (TMA, TMA_N, TMA_D, n) and
-  // stages (..., stage); V's the same, from V itself or from TF32's V^T workspace.
-  auto q_part = [&](auto const& tma, auto* buffer) {
-    Tensor mQ = tma.get_tma_tensor(q_shape)(_, _, rb.head, rb.batch);
-    Tensor gQ = local_tile(mQ, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));
-    Tensor sQ = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutQ{});
+  // (TMA source, TMA destination) of one part of an operand: the tile(s) `tile` at `coord` of the tensor `tma`
+  // reads for this (batch, head), and `buffer` seen as `layout`.
+  auto part = [&](auto const& tma, auto const& shape, int64_t head, auto tile, auto coord, auto* buffer,
+                  auto layout) {
+    Tensor g = local_tile(tma.get_tma_tensor(shape)(_, _, head, rb.batch), tile, coord);
+    Tensor s = make_tensor(make_smem_ptr(buffer), layout);
     auto slice = tma.get_slice(0);
-    return std::make_pair(slice.partition_S(gQ), slice.partition_D(sQ));
+    return std::make_pair(slice.partition_S(g), slice.partition_D(s));
+  };
+  // Q's tile; K's key tiles (TMA, TMA_N, TMA_D, n) and stages (..., stage); V's the same, from V itself or from
+  // TF32's V^T workspace.
+  auto q_part = [&](auto const& tma, auto* buffer) {
+    return part(tma, q_shape, rb.head, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0),
+                buffer, typename Traits::SmemLayoutQ{});
   };
   auto k_part = [&](auto const& tma, auto* buffer) {
-    Tensor mK = tma.get_tma_tensor(kv_shape)(_, _, rb.head_kv, rb.batch);
-    Tensor gK = local_tile(mK, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0));
-    Tensor sK = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutKV{});
-    auto slice = tma.get_slice(0);
-    return std::make_pair(slice.partition_S(gK), slice.partition_D(sK));
+    return part(tma, kv_shape, rb.head_kv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, make_coord(_, 0),
+                buffer, typename Traits::SmemLayoutKV{});
   };
   auto v_part = [&](auto const& tma, auto* buffer) {
-    auto slice = tma.get_slice(0);
     if constexpr (Traits::kTf32) {
       const auto vt_shape = make_shape(int32_t(Traits::kHeadDim), int32_t(tf32_vt_keys(p.seqlen_k)),
                                        int32_t(p.heads_kv), int32_t(p.batch));
-      Tensor mVt = tma.get_tma_tensor(vt_shape)(_, _, rb.head_kv, rb.batch);
-      Tensor gVt = local_tile(mVt, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, make_coord(0, _));
-      Tensor sVt = make_tensor(make_smem_ptr(buffer), typename Traits::SmemLayoutVt{});
-      return std::make_pair(slice.partition_S(gVt), slice.partition_D(sVt));
+      return part(tma, vt_shape, rb.head_kv, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{},
+                  make_coord(0, _), buffer, typename Traits::SmemLayoutVt{});
     } else {
       return k_part(tma, buffer);
     }
@@ -296,9 +286,10 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   auto q_hi = q_part(args.tma_q, smem.q.data());
   auto k_hi = k_part(args.tma_k, smem.k.data());
   auto v_hi = v_part(args.tma_v, smem.v.data());
-  auto q_lo = q_part(low.tma_q, low_q_buffer<Traits>(smem));
-  auto k_lo = k_part(low.tma_k, low_k_buffer<Traits>(smem));
-  auto v_lo = v_part(low.tma_v, low_v_buffer<Traits>(smem));
+  const LowPartBuffers<Traits> low_buffers = low_part_buffers<Traits>(smem);
+  auto q_lo = q_part(low.tma_q, low_buffers.q);
+  auto k_lo = k_part(low.tma_k, low_buffers.k);
+  auto v_lo = v_part(low.tma_v, low_buffers.v);
 
   auto load_k = [&](int n_block) {
     pipeline_k.producer_acquire(write);
@@ -388,9 +379,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
   // Split TF32: the lo parts (elsewhere the same buffers again, unused).
-  Tensor sQlo = make_tensor(make_smem_ptr(low_q_buffer<Traits>(smem)), typename Traits::SmemLayoutQ{});
-  Tensor sKlo = make_tensor(make_smem_ptr(low_k_buffer<Traits>(smem)), typename Traits::SmemLayoutKV{});
-  Tensor sVtlo = make_tensor(make_smem_ptr(low_v_buffer<Traits>(smem)), typename Traits::SmemLayoutVt{});
+  const LowPartBuffers<Traits> low_buffers = low_part_buffers<Traits>(smem);
+  Tensor sQlo = make_tensor(make_smem_ptr(low_buffers.q), typename Traits::SmemLayoutQ{});
+  Tensor sKlo = make_tensor(make_smem_ptr(low_buffers.k), typename Traits::SmemLayoutKV{});
+  Tensor sVtlo = make_tensor(make_smem_ptr(low_buffers.v), typename Traits::SmemLayoutVt{});
 
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
