@@ -81,9 +81,13 @@ def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     if not (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
             and config.dropout_rate == 0):
         return False
-    common_form = (not dense.has_bias and not dense.has_mask and config.softcap == 0
-                   and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
-    return common_form or switch_on(TF32_FORMS_ENV, default=True)
+    return _is_common_form(masks, config, dense) or switch_on(TF32_FORMS_ENV, default=True)
+
+
+def _is_common_form(masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
+    """A call of the Hopper forward's common form: no bias, mask, softcap or ALiBi, a positive scale."""
+    return (not dense.has_bias and not dense.has_mask and config.softcap == 0
+            and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
 
 
 SPLIT_TF32_ENV = "JAX_FLASH_SM90_SPLIT_TF32"
@@ -95,14 +99,13 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
     split-TF32 Hopper forward on compute capability 9.x (csrc/common/tf32_workspace.h: each float32 operand as two
     TF32 parts, three TF32 products per product, about float32's accuracy; elsewhere the workspace goes unused):
     float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32=1`` (read when the call is traced;
-    off by default until measured on the GPU), head_dim <= 128 and a multiple of 4, no dropout, and the common form
-    (no softcap, ALiBi, bias or mask)."""
+    off by default until measured on the GPU), head_dim <= 128 and a multiple of 4, no dropout; softcap, ALiBi, bias
+    and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32 forward)."""
     head_dim = q.shape[-1]
     if not (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
             and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0):
         return False
-    return (not dense.has_bias and not dense.has_mask and config.softcap == 0
-            and masks.alibi_slopes.shape[-1] == 0 and config.softmax_scale > 0)
+    return _is_common_form(masks, config, dense) or switch_on(TF32_FORMS_ENV, default=True)
 
 
 def split_tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:

@@ -253,12 +253,19 @@ def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(call(q, k, v)))
 
 
-def test_split_tf32_workspace_only_for_the_common_form(monkeypatch):
-    """Softcap (a transformed score) keeps the exact float32 kernel: no split-TF32 workspace."""
+@pytest.mark.parametrize("forms, kwargs, expected", [
+    ("", dict(softcap=5.0), True),
+    ("0", dict(softcap=5.0), False),  # JAX_FLASH_TF32_FORMS=0: the common form only, as for the TF32 forward
+    ("0", dict(causal=True), True),
+    ("", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), False),  # dropout: the float32 kernels only
+])
+def test_split_tf32_workspace_by_form(monkeypatch, forms, kwargs, expected):
     q, k, v = _inputs()
     monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, "1")
-    text = jax.jit(lambda *a: jax_flash.attention(*a, softcap=5.0, float32_precision="highest")).lower(q, k, v).as_text()
-    assert "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1]) not in text
+    monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, forms)
+    text = jax.jit(lambda *a: jax_flash.attention(*a, float32_precision="highest", **kwargs)).lower(q, k, v).as_text()
+    workspace = "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1])
+    assert (workspace in text) == expected
 
 
 BAD_ARGUMENTS = [

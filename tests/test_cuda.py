@@ -1244,16 +1244,19 @@ def test_float32_bias_mask_dropout(precision, dense):
         assert np.all(np.isneginf(np.asarray(lse)[:, :, 5])) and np.all(np.asarray(o)[:, 5] == 0)
 
 
-# The Hopper TF32 forward's transforms form (softcap, ALiBi, softmax_scale <= 0) and dense form (bias, boolean mask;
-# on by default, JAX_FLASH_TF32_FORMS=0 turns them off, so the test sets 1), forced with
-# JAX_FLASH_CUDA_KERNEL_F32=sm90, so that a pass shows the Hopper kernel computed them.
+# The Hopper TF32 and split-TF32 forwards' transforms form (softcap, ALiBi, softmax_scale <= 0) and dense form (bias,
+# boolean mask; on by default, JAX_FLASH_TF32_FORMS=0 turns them off, so the test sets 1), forced with
+# JAX_FLASH_CUDA_KERNEL_F32=sm90, so that a pass shows the Hopper kernel computed them. "split" is "highest" with
+# JAX_FLASH_SM90_SPLIT_TF32=1, held to the exact mode's bound.
+@pytest.mark.parametrize("mode", ("tf32", "split"))
 @pytest.mark.parametrize("head_dim", (64, 100))
 @pytest.mark.parametrize("feature", ("softcap", "alibi_batched_causal", "everything", "bias", "mask", "bias_mask"))
-def test_float32_tf32_forms_on_sm90(feature, head_dim, monkeypatch):
+def test_float32_tf32_forms_on_sm90(feature, head_dim, mode, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
     monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "1")
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
+    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, "1" if mode == "split" else "0")
     case = dataclasses.replace(FLOAT32_DENSE_CASE, head_dim=head_dim)
     if feature in ("bias", "mask", "bias_mask"):
         kwargs = {"causal": feature == "bias_mask"}
@@ -1263,7 +1266,7 @@ def test_float32_tf32_forms_on_sm90(feature, head_dim, monkeypatch):
             kwargs["mask"] = _float32_mask_with_empty_rows(case)
     else:
         kwargs = feature_kwargs(feature, case)
-    check_float32_on_gpu(case, "tf32", gradients=False, **kwargs)
+    check_float32_on_gpu(case, "tf32" if mode == "tf32" else "highest", gradients=False, **kwargs)
 
 
 @pytest.mark.parametrize("precision", FLOAT32_MODES)

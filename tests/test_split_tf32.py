@@ -20,6 +20,7 @@ NO_WORKSPACE = "tensor<0xf32>"  # the forward call's third result when it has no
 def automatic_choices(monkeypatch):
     monkeypatch.delenv(_kv_split.SPLIT_KV_ENV, raising=False)
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
+    monkeypatch.delenv(_ffi_calls.TF32_FORMS_ENV, raising=False)
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, feature): decoding shapes that pack GQA heads and split
@@ -32,6 +33,10 @@ SHAPES = (
     (2, 70, 90, 4, 4, 128, "window"),
     (2, 50, 77, 4, 2, 100, "seqlens"),
     (2, 60, 60, 2, 2, 64, "segments"),
+    (2, 40, 50, 4, 2, 64, "softcap"),    # the transforms form
+    (1, 33, 70, 2, 1, 128, "alibi_batched_causal"),
+    (2, 30, 41, 4, 2, 64, "bias"),       # the dense form
+    (2, 30, 41, 4, 2, 100, "mask"),
 )
 
 
@@ -41,7 +46,12 @@ def test_split_switch_keeps_the_exact_results(batch, seqlen_q, seqlen_k, heads_q
     case = Case(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                 head_dim=head_dim, dtype=jnp.float32, seed=seqlen_q + head_dim)
     q, k, v = case.inputs()
-    kwargs = feature_kwargs(feature, case)
+    if feature == "bias":
+        kwargs = {"bias": jax.random.normal(jax.random.key(1), (heads_q, seqlen_q, seqlen_k))}
+    elif feature == "mask":
+        kwargs = {"mask": jax.random.bernoulli(jax.random.key(2), 0.7, (batch, 1, seqlen_q, seqlen_k)), "causal": True}
+    else:
+        kwargs = feature_kwargs(feature, case)
     # A new function per switch setting: jit's trace cache does not know the switch (read when traced).
     new_call = lambda: jax.jit(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, return_lse=True,
                                                                       float32_precision="highest", **kwargs))

@@ -265,8 +265,10 @@ std::string sm90_tf32_refusal(const AttentionParams& p) {
 std::string sm90_split_tf32_refusal(const AttentionParams& p) {
   if (!p.split_tf32) return "the call has no split-TF32 workspace (jax_flash/_ffi_calls.py _uses_split_tf32_workspace)";
   if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
-  if (sm90::forward_variant(p) != sm90::ForwardVariant::kCommon) {
-    return "split TF32: softcap, ALiBi, bias and mask run on the float32 kernels";
+  bool dense = false;
+  if (std::string err = sm90_dense_switch(&dense); !err.empty()) return err;
+  if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
+    return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
   }
   if (!sm90_tf32_built(p.head_dim)) {
     return build_refusal("no sm_90a split-TF32 kernel for head_dim " + std::to_string(p.head_dim));

@@ -32,6 +32,8 @@ SM90_TF32_HEAD_DIMS = (64, 128)
 # The split-TF32 forward (float32_precision="highest" on the Hopper kernel; sm90/split_tf32_launch.h), built with
 # the TF32 forward.
 SM90_SPLIT_TF32_FORWARD = "std::string launch_split_tf32_forward<{d}>(const AttentionParams&, cudaStream_t);"
+SM90_SPLIT_TF32_FORM = ("std::string launch_split_tf32_variant<{d}, ForwardVariant::{form}>(const AttentionParams&, "
+                        "cudaStream_t);")
 SM90_TF32_BACKWARD = {"dkdv": "std::string launch_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
                       "dq": "std::string launch_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
@@ -82,9 +84,13 @@ def main() -> None:
             text = TEMPLATE.format(header="forward_launch.h", family="sm90",
                                    declaration=SM90_FORWARD_FORM.format(d=d, t=cpp, form=form))
             files[root / "sm90" / "instantiations" / f"forward_hdim{d}_tf32_{name}.cu"] = text
-        text = TEMPLATE.format(header="split_tf32_launch.h", family="sm90",
+        text = TEMPLATE.format(header="split_tf32_dispatch.h", family="sm90",
                                declaration=SM90_SPLIT_TF32_FORWARD.format(d=d))
         files[root / "sm90" / "instantiations" / f"forward_hdim{d}_tf32x3.cu"] = text
+        for name, form in SM90_FORWARD_FORMS.items():
+            text = TEMPLATE.format(header="split_tf32_launch.h", family="sm90",
+                                   declaration=SM90_SPLIT_TF32_FORM.format(d=d, form=form))
+            files[root / "sm90" / "instantiations" / f"forward_hdim{d}_tf32x3_{name}.cu"] = text
         for name, declaration in SM90_TF32_BACKWARD.items():
             text = TEMPLATE.format(header="backward_launch.h", family="sm90", declaration=declaration.format(d=d))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_tf32_{name}.cu"] = text

@@ -1,8 +1,7 @@
 // Host launcher of the split-TF32 forward (float32_precision="highest" on the Hopper kernel; common/tf32_workspace.h
 // says what it computes and what the workspace holds): pre-passes that write each operand's hi and lo parts into
 // the call's workspace, then forward_kernel with the kSplitTf32 tile (kernel_traits.h), whose TMA loads read those
-// parts. The common form only (causal, windows, sequence lengths, segment ids, GQA): dispatch.cu sends the other
-// forms to the float32 kernels.
+// parts. One kernel form per translation unit, as the 16-bit and TF32 forwards (split_tf32_dispatch.h picks it).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -48,15 +47,11 @@ inline std::string launch_split_tf32(const void* x, float* hi, float* lo, int64_
   return {};
 }
 
-template <int kHeadDim>
-std::string launch_split_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
+template <int kHeadDim, ForwardVariant kVariant>
+std::string launch_split_tf32_variant(const AttentionParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the split-TF32 tiles and the workspace's head dims");
   using Traits = ForwardTraits<kHeadDim, cutlass::tfloat32_t, RowTile::kSplitTf32>;
   if (p.tf32_vt == nullptr || !p.split_tf32) return "sm90 split-TF32 forward: no split-TF32 workspace";
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 forward: batch or heads beyond TMA coordinates";
-  if (forward_variant(p) != ForwardVariant::kCommon) {
-    return "sm90 split-TF32 forward: softcap, ALiBi, bias and mask run on the float32 kernels";
-  }
   const SplitTf32Parts parts =
       split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
   if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream, parts.vt_lo); !err.empty()) return err;
@@ -77,7 +72,7 @@ std::string launch_split_tf32_forward(const AttentionParams& p, cudaStream_t str
   AttentionParams hi = p;
   hi.q = parts.q_hi;
   hi.k = parts.k_hi;
-  return launch_tiles<Traits, ForwardVariant::kCommon>(hi, persistent, max_ctas, stream);
+  return launch_tiles<Traits, kVariant>(hi, persistent, max_ctas, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90
