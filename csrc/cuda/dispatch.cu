@@ -237,46 +237,28 @@ bool sm90_tf32_built(int64_t head_dim) {
   return head_dim <= kTf32MaxHeadDim && contains(kSm90HeadDims, static_cast<int>(tf32_vt_head_dim(head_dim)));
 }
 
-// Empty when the sm90 TF32 forward can run this float32 call, else why not.
-std::string sm90_tf32_refusal(const AttentionParams& p) {
-  if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
+// Empty when the sm90 TF32 forward (split false) or the split-TF32 one (sm90/split_tf32_launch.h; split true) can run
+// this float32 call, else why not. The Python side passes each its workspace only for the calls it sends there
+// (jax_flash/_ffi_calls.py _uses_tf32_workspace, _uses_split_tf32_workspace): the common form, and unless
+// JAX_FLASH_TF32_FORMS=0 also softcap / ALiBi / bias / mask.
+std::string sm90_float32_refusal(const AttentionParams& p, bool split) {
+  if (!split && !p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernel";
   if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
   bool dense = false;
   if (std::string err = sm90_dense_switch(&dense); !err.empty()) return err;
   if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
     return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
   }
-  // The Python side passes the workspace only to the calls it sends here: the common form, and
-  // unless JAX_FLASH_TF32_FORMS=0 also softcap / ALiBi / bias / mask (jax_flash/_ffi_calls.py _uses_tf32_workspace).
-  if (p.tf32_vt == nullptr) return "the call has no V^T workspace (jax_flash/_ffi_calls.py _uses_tf32_workspace)";
+  const std::string workspace = split ? "split-TF32 workspace" : "V^T workspace";
+  if (p.tf32_vt == nullptr || p.split_tf32 != split) return "the call has no " + workspace + " (jax_flash/_ffi_calls.py)";
   if (!sm90_tf32_built(p.head_dim)) {
-    return build_refusal("no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim));
+    return build_refusal(std::string("no sm_90a ") + (split ? "split-TF32" : "TF32") + " kernel for head_dim " +
+                         std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
+  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides, split's float4 pre-pass
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.o) || !aligned16(p.tf32_vt)) {
-    return "q, k, o and the V^T workspace must be 16-byte aligned";
-  }
-  return sm90_forward_size_refusal(p);
-}
-
-// Empty when the split-TF32 forward (sm90/split_tf32_launch.h) can run this float32 call, else why not. The Python
-// side passes its workspace only to the calls it sends there (jax_flash/_ffi_calls.py _uses_split_tf32_workspace).
-std::string sm90_split_tf32_refusal(const AttentionParams& p) {
-  if (!p.split_tf32) return "the call has no split-TF32 workspace (jax_flash/_ffi_calls.py _uses_split_tf32_workspace)";
-  if (p.dropout_rate > 0.0f) return "dropout runs on the float32 kernels only";
-  bool dense = false;
-  if (std::string err = sm90_dense_switch(&dense); !err.empty()) return err;
-  if ((p.bias != nullptr || p.mask != nullptr) && !dense) {
-    return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
-  }
-  if (!sm90_tf32_built(p.head_dim)) {
-    return build_refusal("no sm_90a split-TF32 kernel for head_dim " + std::to_string(p.head_dim));
-  }
-  if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides, the pre-pass's float4s
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.o) || !aligned16(p.tf32_vt)) {
-    return "q, k, o and the split-TF32 workspace must be 16-byte aligned";
+    return "q, k, o and the " + workspace + " must be 16-byte aligned";
   }
   return sm90_forward_size_refusal(p);
 }
@@ -402,7 +384,7 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
     if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32",
                                       p.split_tf32 ? "sm90 split-TF32 forward" : "sm90 TF32 forward",
                                       /*unset_means_auto=*/true,
-                                      [&] { return p.split_tf32 ? sm90_split_tf32_refusal(p) : sm90_tf32_refusal(p); },
+                                      [&] { return sm90_float32_refusal(p, p.split_tf32); },
                                       &use_sm90);
         !err.empty()) {
       return err;

@@ -285,7 +285,7 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
 // 64 query rows take the short-rows tile, and long key sequences on the per-tile grid the long-rows tile, where the
 // head dim has them (kernel_traits.h forward_tile).
 // TF32 (float32 q/k/v/o; kernel_traits.h tf32_forward_tile, head dims 64 and 128) runs its V^T pre-pass first, on
-// the same stream, and has one tile per head dim; dispatch.cu checks that the call fits (sm90_tf32_refusal).
+// the same stream, and has one tile per head dim; dispatch.cu checks that the call fits (sm90_float32_refusal).
 template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   bool persistent = false;
