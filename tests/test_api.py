@@ -165,7 +165,7 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
         dense = [absent_dense[0], bool_mask, absent_dense[2], absent_dense[3]]
     elif problem == "tf32_vt_shape":  # V^T of 23 keys is 64 x 24 floats per KV head
         workspace_shape, allow_tf32 = (2, 2, 64 * 23), True
-    elif problem == "tf32_vt_without_tf32":
+    elif problem == "tf32_vt_without_tf32":  # without allow_tf32 a workspace is the split-TF32 one: wrong size
         workspace_shape = (2, 2, 64 * 24)
     with pytest.raises(Exception, match="jax_flash"):
         jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense, workspace_shape, allow_tf32))

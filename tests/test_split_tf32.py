@@ -21,6 +21,8 @@ def automatic_choices(monkeypatch):
     monkeypatch.delenv(_kv_split.SPLIT_KV_ENV, raising=False)
     monkeypatch.delenv(_gqa_packing.PACK_GQA_ENV, raising=False)
     monkeypatch.delenv(_ffi_calls.TF32_FORMS_ENV, raising=False)
+    monkeypatch.delenv("JAX_FLASH_CUDA_KERNEL_F32", raising=False)  # the exact runs must not be forced onto sm90
+    monkeypatch.delenv("JAX_FLASH_SM90_DENSE", raising=False)
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, feature): decoding shapes that pack GQA heads and split

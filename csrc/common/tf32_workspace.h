@@ -26,10 +26,11 @@ constexpr int64_t tf32_vt_per_head(int64_t seqlen_k, int64_t head_dim) {
 // Split TF32 (float32_precision="highest" on the Hopper kernel, JAX_FLASH_SM90_SPLIT_TF32): every operand x is
 // carried as two TF32 numbers, hi = tf32(x) and lo = tf32(x - hi), and each product as lo*hi + hi*lo + hi*hi on
 // the TF32 tensor cores (float32 accumulation), which leaves about 2^-21 of x*y: float32's accuracy at a third of
-// TF32's rate. The workspace then holds, one after the other: V^T hi and V^T lo (each as the V^T workspace above),
-// Q hi and Q lo (each shaped like q), K hi and K lo (each shaped like k), written by the call's pre-passes
-// (cuda/sm90/split_tf32_prepass.h). Declared [*batch, heads_kv, per_head] like the V^T workspace, so per (batch
-// row, KV head) it holds the floats of its `group` = heads_q / heads_kv query heads and of its KV head.
+// TF32's rate. The workspace then holds six whole arrays one after the other: V^T hi and V^T lo (each as the V^T
+// workspace above), Q hi and Q lo (each shaped like q), K hi and K lo (each shaped like k), written by the call's
+// pre-passes (cuda/sm90/split_tf32_launch.h). Its declared shape [*batch, heads_kv, per_head] only sizes it (as
+// many floats as those arrays, with `group` = heads_q / heads_kv query heads per KV head); its contents are not
+// laid out along those axes. So it is sized consistently within any shard of batch rows and heads.
 constexpr int64_t split_tf32_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_t group, int64_t head_dim) {
   return 2 * (tf32_vt_per_head(seqlen_k, head_dim) + group * seqlen_q * head_dim + seqlen_k * head_dim);
 }

@@ -250,7 +250,7 @@ std::string sm90_float32_refusal(const AttentionParams& p, bool split) {
     return "JAX_FLASH_SM90_DENSE=0 keeps bias and mask on the float32 kernels";
   }
   const std::string workspace = split ? "split-TF32 workspace" : "V^T workspace";
-  if (p.tf32_vt == nullptr || p.split_tf32 != split) return "the call has no " + workspace + " (jax_flash/_ffi_calls.py)";
+  if (p.tf32_vt == nullptr) return "the call has no " + workspace + " (jax_flash/_ffi_calls.py)";
   if (!sm90_tf32_built(p.head_dim)) {
     return build_refusal(std::string("no sm_90a ") + (split ? "split-TF32" : "TF32") + " kernel for head_dim " +
                          std::to_string(p.head_dim));

@@ -27,13 +27,13 @@ SM90_FORWARD_FORM = ("std::string launch_forward_variant<{d}, {t}, ForwardVarian
 # The Hopper TF32 forward (float32 inputs; sm90/kernel_traits.h tf32_forward_tile), built with the bf16/fp16 forward
 # of the same head dim.
 SM90_TF32_HEAD_DIMS = (64, 128)
-# The Hopper TF32 backward passes (float32 inputs; sm90/backward_traits.h Tf32DkdvTraits, Tf32DqTraits), built with
-# the TF32 forward.
 # The split-TF32 forward (float32_precision="highest" on the Hopper kernel; sm90/split_tf32_launch.h), built with
-# the TF32 forward.
+# the TF32 forward: its dispatcher and one unit per kernel form.
 SM90_SPLIT_TF32_FORWARD = "std::string launch_split_tf32_forward<{d}>(const AttentionParams&, cudaStream_t);"
 SM90_SPLIT_TF32_FORM = ("std::string launch_split_tf32_variant<{d}, ForwardVariant::{form}>(const AttentionParams&, "
                         "cudaStream_t);")
+# The Hopper TF32 backward passes (float32 inputs; sm90/backward_traits.h Tf32DkdvTraits, Tf32DqTraits), built with
+# the TF32 forward.
 SM90_TF32_BACKWARD = {"dkdv": "std::string launch_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
                       "dq": "std::string launch_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt

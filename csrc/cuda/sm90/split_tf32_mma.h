@@ -2,7 +2,8 @@
 // lo = tf32(x - hi), and a product x * y as lo_x * hi_y + hi_x * lo_y + hi_x * hi_y, the lo * lo term (about 2^-22
 // of it) left out. Each part keeps 11 significant bits, so the three products are exact in the float32
 // accumulator's range, and what is lost is the rounding of lo (2^-11 of lo, i.e. ~2^-22 of x) and the lo * lo term:
-// about float32's own rounding, at three TF32 WGMMAs per GEMM.
+// about 2^-21 of each product (a few float32 ulps) before the accumulation's own rounding, at three TF32 WGMMAs
+// per GEMM.
 #pragma once
 
 #include <cstdint>
@@ -18,9 +19,11 @@ __device__ __forceinline__ float tf32_high_part(float x) {
   return __uint_as_float(__float_as_uint(round_to_tf32(x)) & 0xffffe000u);
 }
 
-// (hi, lo) of x: hi + lo equals x to within 2^-22 of |x|.
+// (hi, lo) of x: hi + lo equals x to within 2^-22 of |x|. Near FLT_MAX rounding would carry hi to infinity (and lo
+// to -infinity, so products would turn NaN): there hi is x truncated instead, and lo the (exact) rest.
 __device__ __forceinline__ void split_to_tf32(float x, float& hi, float& lo) {
   hi = tf32_high_part(x);
+  if (isinf(hi) && isfinite(x)) hi = __uint_as_float(__float_as_uint(x) & 0xffffe000u);
   lo = tf32_high_part(x - hi);
 }
 
