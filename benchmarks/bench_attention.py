@@ -42,8 +42,8 @@ FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "jax_flash
                            "xla_f32_highest")
 FLOAT32_MODE = {"jax_flash_tf32": "tf32", "jax_flash_f32_highest": "highest",  # jax_flash's float32_precision
                 "jax_flash_f32_split": "highest"}
-# JAX_FLASH_SM90_SPLIT_TF32 while a row's function is traced: "highest" on the exact float32 kernels, or on the
-# split-TF32 Hopper forward (its backward stays exact).
+# JAX_FLASH_SM90_SPLIT_TF32 per row (read when its function is traced): "highest" on the exact float32 kernels, or
+# on the split-TF32 Hopper forward (its backward stays exact).
 SPLIT_TF32_SWITCH = {"jax_flash_f32_highest": "0", "jax_flash_f32_split": "1"}
 XLA_FLOAT32 = {"xla_f32_default": "default", "xla_f32_highest": "highest"}  # XLA's matmul precision
 JAX_FLASH_IMPLEMENTATIONS = (*KERNEL_FAMILY, *FLOAT32_MODE)  # the rows that take every feature
@@ -64,24 +64,6 @@ def padding_mask(batch: int, seqlen: int):
     return (jnp.arange(seqlen)[None, :] < lengths[:, None])[:, None, None, :]
 
 
-def with_environment(variable: str, value: str, fn):
-    """fn with `variable` set to `value` while it runs, i.e. while jit traces it (jax_flash reads its switches then)."""
-    import os
-
-    def wrapped(*args):
-        previous = os.environ.get(variable)
-        os.environ[variable] = value
-        try:
-            return fn(*args)
-        finally:
-            if previous is None:
-                del os.environ[variable]
-            else:
-                os.environ[variable] = previous
-
-    return wrapped
-
-
 def attention_fn(implementation: str, causal: bool, feature: str = "none", batch: int = 1, seqlen: int = 1):
     """features "dropout" and "softcap": jax.nn exposes neither, so cudnn/xla rows run without them."""
     import jax
@@ -94,9 +76,6 @@ def attention_fn(implementation: str, causal: bool, feature: str = "none", batch
                  else {"softcap": SOFTCAP} if feature == "softcap" else {})
         if implementation in FLOAT32_MODE:
             extra["float32_precision"] = FLOAT32_MODE[implementation]
-        if implementation in SPLIT_TF32_SWITCH:
-            return with_environment("JAX_FLASH_SM90_SPLIT_TF32", SPLIT_TF32_SWITCH[implementation],
-                                    lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra))
         return lambda q, k, v: jax_flash.attention(q, k, v, causal=causal, mask=mask, **extra)
     if mask is not None:  # jax.nn's cuDNN path wants the mask's query axis at full length (it becomes a bias)
         mask = jax.numpy.broadcast_to(mask, (batch, 1, seqlen, seqlen))
@@ -149,9 +128,11 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
 
 
 def kernel_families(implementation: str):
-    """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD]; the C++ dispatcher reads them at every call."""
+    """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD] (the C++ dispatcher reads them at every call) and
+    JAX_FLASH_SM90_SPLIT_TF32 (read when the row's function is traced, which happens inside)."""
     return environment({"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
-                        "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation)})
+                        "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation),
+                        "JAX_FLASH_SM90_SPLIT_TF32": SPLIT_TF32_SWITCH.get(implementation)})
 
 
 @contextlib.contextmanager

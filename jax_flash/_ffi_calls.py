@@ -77,9 +77,15 @@ def _uses_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
     kernel's forms: common, softcap / ALiBi (transforms) and bias / boolean mask (dense).
     ``JAX_FLASH_TF32_FORMS=0`` (read when the call is traced) keeps it to the common form, sending the others to
     the mma.sync TF32 kernel (on the H200 5-8x slower at 4k: d=128 softcap 40 against 284 TFLOP/s)."""
+    return q.dtype == jnp.float32 and config.allow_tf32 and _fits_hopper_float32_forward(q, masks, config, dense)
+
+
+def _fits_hopper_float32_forward(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                                 dense: DenseOperands) -> bool:
+    """What the Hopper TF32 and split-TF32 forwards both take: head_dim <= 128 and a multiple of 4 (TMA rows), no
+    dropout, and the common form, or unless ``JAX_FLASH_TF32_FORMS=0`` also the transforms and dense forms."""
     head_dim = q.shape[-1]
-    if not (q.dtype == jnp.float32 and config.allow_tf32 and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0
-            and config.dropout_rate == 0):
+    if not (head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0):
         return False
     return _is_common_form(masks, config, dense) or switch_on(TF32_FORMS_ENV, default=True)
 
@@ -101,11 +107,8 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
     float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32=1`` (read when the call is traced;
     off by default until measured on the GPU), head_dim <= 128 and a multiple of 4, no dropout; softcap, ALiBi, bias
     and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32 forward)."""
-    head_dim = q.shape[-1]
-    if not (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
-            and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0):
-        return False
-    return _is_common_form(masks, config, dense) or switch_on(TF32_FORMS_ENV, default=True)
+    return (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
+            and _fits_hopper_float32_forward(q, masks, config, dense))
 
 
 def split_tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:

@@ -50,8 +50,9 @@ def test_rows_compute_their_feature(implementation, feature, causal):
 
 @pytest.mark.parametrize("setting", (None, "0", "1"))
 def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch, setting):
-    """The split row's call is traced with JAX_FLASH_SM90_SPLIT_TF32=1 (its lowered call carries the split-TF32
-    workspace), the exact row's with 0, whatever the process has; the process's value is back afterwards."""
+    """Under its kernel families, the split row's call is traced with JAX_FLASH_SM90_SPLIT_TF32=1 (its lowered call
+    carries the split-TF32 workspace), the exact row's with 0, whatever the process has; the process's value is back
+    afterwards."""
     from jax_flash import _ffi_calls
 
     if setting is None:
@@ -60,8 +61,10 @@ def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch
         monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, setting)
     q, k, v = inputs()
     workspace = "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k))
-    lowered = {row: jax.jit(bench.attention_fn(row, True)).lower(q, k, v).as_text()
-               for row in ("jax_flash_f32_split", "jax_flash_f32_highest")}
+    lowered = {}
+    for row in ("jax_flash_f32_split", "jax_flash_f32_highest"):
+        with bench.kernel_families(row):
+            lowered[row] = jax.jit(bench.attention_fn(row, True)).lower(q, k, v).as_text()
     assert workspace in lowered["jax_flash_f32_split"]
     assert workspace not in lowered["jax_flash_f32_highest"]
     assert os.environ.get(_ffi_calls.SPLIT_TF32_ENV) == setting

@@ -263,22 +263,23 @@ std::string sm90_float32_refusal(const AttentionParams& p, bool split) {
   return sm90_forward_size_refusal(p);
 }
 
-std::string run_sm90_split_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
+// The Hopper TF32 forward, or with p.split_tf32 the split-TF32 one, of the call's kernel head dim (64 or 128).
+// (The calls stay inside the if constexpr branches, so that a build without a head dim never references its
+// launchers.)
+std::string run_sm90_float32_forward(const AttentionParams& p, cudaStream_t stream) {
   if (tf32_vt_head_dim(p.head_dim) == 64) {
-    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_split_tf32_forward<64>(p, stream);
+    if constexpr (contains(kSm90HeadDims, 64)) {
+      return p.split_tf32 ? sm90::launch_split_tf32_forward<64>(p, stream)
+                          : sm90::launch_forward<64, cutlass::tfloat32_t>(p, stream);
+    }
   } else {
-    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_split_tf32_forward<128>(p, stream);
+    if constexpr (contains(kSm90HeadDims, 128)) {
+      return p.split_tf32 ? sm90::launch_split_tf32_forward<128>(p, stream)
+                          : sm90::launch_forward<128, cutlass::tfloat32_t>(p, stream);
+    }
   }
-  return "internal error: no sm90 split-TF32 kernel for head dim " + std::to_string(p.head_dim);
-}
-
-std::string run_sm90_tf32_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (tf32_vt_head_dim(p.head_dim) == 64) {
-    if constexpr (contains(kSm90HeadDims, 64)) return sm90::launch_forward<64, cutlass::tfloat32_t>(p, stream);
-  } else {
-    if constexpr (contains(kSm90HeadDims, 128)) return sm90::launch_forward<128, cutlass::tfloat32_t>(p, stream);
-  }
-  return "internal error: no sm90 TF32 kernel for head dim " + std::to_string(p.head_dim);
+  return std::string("internal error: no sm90 ") + (p.split_tf32 ? "split-TF32" : "TF32") + " kernel for head dim " +
+         std::to_string(p.head_dim);
 }
 
 // ---- float32 backward: the float32 kernels (f32/), whose TF32 dK/dV and dQ passes the Hopper TF32 ones
@@ -389,7 +390,7 @@ std::string run_forward(const AttentionParams& p, cudaStream_t stream) {
         !err.empty()) {
       return err;
     }
-    if (use_sm90) return p.split_tf32 ? run_sm90_split_tf32_forward(p, stream) : run_sm90_tf32_forward(p, stream);
+    if (use_sm90) return run_sm90_float32_forward(p, stream);
     return with_head_dim<Sm80Built>(padded_head_dim(p.head_dim), [&](auto dim) {
       return f32::launch_forward<decltype(dim)::value>(p, stream);
     });
