@@ -111,6 +111,34 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
             and _fits_hopper_float32_forward(q, masks, config, dense))
 
 
+SPLIT_TF32_BACKWARD_ENV = "JAX_FLASH_SM90_SPLIT_TF32_BACKWARD"
+
+
+def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                                        dense: DenseOperands) -> bool:
+    """Whether a backward call gets the split-TF32 workspace (in its ``dq_accum`` slot, which float32 calls use for
+    nothing else), which the CUDA handler takes as the sign to run the Hopper TF32 backward passes in split TF32 on
+    compute capability 9.x (csrc/cuda/sm90/split_tf32_backward_launch.h; elsewhere it goes unused): float32 with
+    ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1`` (read when the backward is traced;
+    off by default: not yet measured on a GPU), head_dim <= 128 and a multiple of 4, and the common form those
+    passes have (no bias, mask, dropout, softcap or ALiBi, a positive scale)."""
+    head_dim = q.shape[-1]
+    return (q.dtype == jnp.float32 and not config.allow_tf32
+            and switch_on(SPLIT_TF32_BACKWARD_ENV, default=False)
+            and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0
+            and _is_common_form(masks, config, dense))
+
+
+def split_tf32_backward_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
+    """``[B, Hkv, per_head]`` float32 holding Q's, dO's, K's and V's hi and lo parts (csrc/common/tf32_workspace.h
+    split_tf32_backward_per_head): per (batch row, KV head) four times its query heads' ``G * Sq * D`` and its own
+    ``Sk * D``."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    group = heads_q // heads_kv
+    return (batch, heads_kv, 4 * (group * seqlen_q * head_dim + seqlen_k * head_dim))
+
+
 def split_tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
     """``[B, Hkv, per_head]`` float32 holding V^T's, Q's and K's hi and lo parts (csrc/common/tf32_workspace.h
     split_tf32_per_head): per (batch row, KV head) twice V^T's ``D' * Sk'`` floats, its query heads' ``G * Sq * D``
@@ -242,18 +270,24 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     Three extra results are workspaces the kernels need; XLA allocates them, so their memory lives as long as the
     queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row), ``dq_accum``, in which the
     backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``), and with it
-    ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise.
+    ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise. On a float32 call ``dq_accum`` is instead
+    the split-TF32 workspace where ``_uses_split_tf32_backward_workspace``.
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
     fused_dq = _uses_fused_dq(q, masks, config, dense)
+    if fused_dq:
+        dq_accum = _result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS)
+    elif _uses_split_tf32_backward_workspace(q, masks, config, dense):
+        dq_accum = _result(k, split_tf32_backward_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
+    else:
+        dq_accum = jax.ShapeDtypeStruct((0,), jnp.float32)
     results = (
         _result(q, q.shape, q.dtype),
         _result(k, k.shape, k.dtype),
         _result(v, v.shape, v.dtype),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
-        (_result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS) if fused_dq
-         else jax.ShapeDtypeStruct((0,), jnp.float32)),
+        dq_accum,
         # Sharded like k's head dim, which no mesh axis splits: every device gets whole slots.
         (_result(k, dkdv_tail_shape(k), jnp.float32, dims=(3,)) if fused_dq and _uses_dkdv_tail(masks, config, dense)
          else jax.ShapeDtypeStruct((0,), jnp.float32)),

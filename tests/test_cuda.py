@@ -1157,6 +1157,37 @@ def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, m
     check_float32_on_gpu(case, "highest", gradients=False, **feature_kwargs(feature, case))
 
 
+# The split-TF32 backward passes (float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1: the TF32 dK/dV
+# and dQ passes with every operand as two TF32 parts; csrc/cuda/sm90/split_tf32_backward_launch.h) must meet the exact
+# mode's bound, gradients included. Forcing sm90 (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD) makes a call they cannot run an
+# error, so a pass shows they computed it; the forward is the exact kernel's (its own switch left unset).
+@pytest.mark.parametrize("head_dim", (64, 128, 36, 100), ids=lambda d: f"d{d}")
+@HOPPER_FLOAT32_SHAPES
+def test_float32_split_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.delenv("JAX_FLASH_SM90_SPLIT_TF32", raising=False)
+    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32_BACKWARD", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 1)
+    check_float32_on_gpu(case, "highest", **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("head_dim", (64, 128), ids=lambda d: f"d{d}")
+def test_float32_split_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
+    """Many query tiles per dK/dV CTA and key tiles per dQ CTA through the split passes: the same gradients run to
+    run (no atomics; a stage released before its loads landed would show here, as in the TF32 passes)."""
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32_BACKWARD", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+    case = Case(batch=2, seqlen_q=300, seqlen_k=1024, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.float32), GPUS[0])
+    bit_identical_runs(lambda: grads(q, k, v, d_o, float32_precision="highest"), runs=4)
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
     """Many key tiles per CTA and both consumer warpgroups busy: where the thirteenth session's dQ pass released a

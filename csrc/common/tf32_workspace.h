@@ -61,4 +61,40 @@ inline SplitTf32Parts split_tf32_parts(float* base, int64_t batch, int64_t seqle
   return parts;
 }
 
+// The split-TF32 backward (its dq_accum workspace on a float32 call: cuda/sm90/split_tf32_backward_launch.h) holds
+// eight whole arrays one after the other: Q hi, Q lo, dO hi, dO lo (each shaped like q), K hi, K lo, V hi, V lo
+// (each shaped like k). Declared [*batch, heads_kv, per_head] like the forward's, with the same caveat: the
+// shape only sizes it.
+constexpr int64_t split_tf32_backward_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_t group, int64_t head_dim) {
+  return 4 * (group * seqlen_q * head_dim + seqlen_k * head_dim);
+}
+
+struct SplitTf32BackwardParts {
+  float* q_hi;
+  float* q_lo;
+  float* d_o_hi;
+  float* d_o_lo;
+  float* k_hi;
+  float* k_lo;
+  float* v_hi;
+  float* v_lo;
+};
+
+inline SplitTf32BackwardParts split_tf32_backward_parts(float* base, int64_t batch, int64_t seqlen_q,
+                                                        int64_t seqlen_k, int64_t heads_q, int64_t heads_kv,
+                                                        int64_t head_dim) {
+  const int64_t q = batch * seqlen_q * heads_q * head_dim;
+  const int64_t k = batch * seqlen_k * heads_kv * head_dim;
+  SplitTf32BackwardParts parts{};
+  parts.q_hi = base;
+  parts.q_lo = parts.q_hi + q;
+  parts.d_o_hi = parts.q_lo + q;
+  parts.d_o_lo = parts.d_o_hi + q;
+  parts.k_hi = parts.d_o_lo + q;
+  parts.k_lo = parts.k_hi + k;
+  parts.v_hi = parts.k_lo + k;
+  parts.v_lo = parts.v_hi + k;
+  return parts;
+}
+
 }  // namespace jax_flash

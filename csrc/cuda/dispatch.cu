@@ -287,9 +287,15 @@ std::string run_sm90_float32_forward(const AttentionParams& p, cudaStream_t stre
 // they can run the call: JAX_FLASH_CUDA_KERNEL_F32_BACKWARD unset or auto (the default since the fifteenth session's
 // H200 run: its tests pass, ~2x the mma.sync backward), sm90 to insist, sm80 to keep the mma.sync passes.
 
-// Empty when the sm90 TF32 backward passes can run this float32 call, else why not.
+// With float32_precision="highest" the split-TF32 workspace (jax_flash/_ffi_calls.py
+// _uses_split_tf32_backward_workspace, p.split_tf32) asks for the split-TF32 forms of those passes
+// (sm90/split_tf32_backward_launch.h); the rest of "highest" runs the exact float32 kernels.
+
+// Empty when the sm90 TF32 (or split-TF32) backward passes can run this float32 call, else why not.
 std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
-  if (!p.allow_tf32) return "float32_precision='highest' runs the exact float32 kernels";
+  if (!p.allow_tf32 && !p.split_tf32) {
+    return "float32_precision='highest' runs the exact float32 kernels (without the split-TF32 workspace)";
+  }
   if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr || p.softcap > 0.0f ||
       p.alibi_slopes != nullptr || !(p.softmax_scale > 0.0f)) {
     return "bias, boolean mask, dropout, softcap, ALiBi and softmax_scale <= 0 run on the float32 kernels only";
@@ -299,9 +305,9 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
   if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
-  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv};
+  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv, p.split_tf32 ? p.tf32_vt : p.q};
   for (const void* ptr : operands) {
-    if (!aligned16(ptr)) return "q, k, v, dO, dq, dk and dv must be 16-byte aligned";
+    if (!aligned16(ptr)) return "q, k, v, dO, dq, dk, dv and the split-TF32 workspace must be 16-byte aligned";
   }
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";
@@ -310,9 +316,15 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
 
 f32::Tf32Passes sm90_tf32_passes(const AttentionBackwardParams& p) {
   if (tf32_vt_head_dim(p.head_dim) == 64) {
-    if constexpr (contains(kSm90HeadDims, 64)) return {&sm90::launch_tf32_dkdv<64>, &sm90::launch_tf32_dq<64>};
+    if constexpr (contains(kSm90HeadDims, 64)) {
+      if (p.split_tf32) return {&sm90::launch_split_tf32_dkdv<64>, &sm90::launch_split_tf32_dq<64>};
+      return {&sm90::launch_tf32_dkdv<64>, &sm90::launch_tf32_dq<64>};
+    }
   } else {
-    if constexpr (contains(kSm90HeadDims, 128)) return {&sm90::launch_tf32_dkdv<128>, &sm90::launch_tf32_dq<128>};
+    if constexpr (contains(kSm90HeadDims, 128)) {
+      if (p.split_tf32) return {&sm90::launch_split_tf32_dkdv<128>, &sm90::launch_split_tf32_dq<128>};
+      return {&sm90::launch_tf32_dkdv<128>, &sm90::launch_tf32_dq<128>};
+    }
   }
   return {};
 }
@@ -421,7 +433,8 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
   if (p.element_type == ElementType::kFloat32) {
     bool use_sm90 = false;
-    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90 TF32 backward",
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD",
+                                      p.split_tf32 ? "sm90 split-TF32 backward" : "sm90 TF32 backward",
                                       /*unset_means_auto=*/true, [&] { return sm90_tf32_backward_refusal(p); },
                                       &use_sm90);
         !err.empty()) {

@@ -36,6 +36,10 @@ SM90_SPLIT_TF32_FORM = ("std::string launch_split_tf32_variant<{d}, ForwardVaria
 # the TF32 forward.
 SM90_TF32_BACKWARD = {"dkdv": "std::string launch_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
                       "dq": "std::string launch_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
+# The split-TF32 backward passes (float32_precision="highest"; sm90/split_tf32_backward_launch.h), built with them.
+SM90_SPLIT_TF32_BACKWARD = {
+    "dkdv": "std::string launch_split_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
+    "dq": "std::string launch_split_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
@@ -94,6 +98,10 @@ def main() -> None:
         for name, declaration in SM90_TF32_BACKWARD.items():
             text = TEMPLATE.format(header="backward_launch.h", family="sm90", declaration=declaration.format(d=d))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_tf32_{name}.cu"] = text
+        for name, declaration in SM90_SPLIT_TF32_BACKWARD.items():
+            text = TEMPLATE.format(header="split_tf32_backward_launch.h", family="sm90",
+                                   declaration=declaration.format(d=d))
+            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_tf32x3_{name}.cu"] = text
     for d in SM90_BACKWARD_HEAD_DIMS:
         for short, cpp in ELEMENT_TYPES.items():
             text = TEMPLATE.format(header="backward_dispatch.h", family="sm90",

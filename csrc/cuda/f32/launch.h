@@ -112,9 +112,11 @@ template <int kHeadDim>
 std::string launch_dkdv_dq(const AttentionBackwardParams& p, bool vectorized, bool general, DbiasMode dbias_mode,
                            Tf32Passes hopper, cudaStream_t stream) {
   if constexpr (kHeadDim <= 128) {
-    if (p.allow_tf32) return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, hopper, stream);
+    if (p.allow_tf32 || hopper.given()) {  // exact with `hopper`: the split-TF32 passes
+      return launch_tf32_dkdv_dq<kHeadDim>(p, vectorized, general, dbias_mode, hopper, stream);
+    }
   }
-  if (hopper.given()) return "internal error: the sm90 TF32 kernels were chosen for an exact or wide call";
+  if (hopper.given()) return "internal error: the sm90 TF32 kernels were chosen for a call wider than 128";
 
   constexpr int kDkdvBytes = DkdvGeometry<kHeadDim>::kBytes;
   auto dkdv = general ? dkdv_kernel<kHeadDim, true> : dkdv_kernel<kHeadDim, false>;

@@ -16,8 +16,9 @@ template <int kHeadDim>
 std::string launch_forward(const AttentionParams& p, cudaStream_t stream);
 
 // Likewise, except that head dims above 128 run the exact backward in both modes (the TF32 one keeps two
-// 16 x head_dim accumulators per warp in registers). `hopper`, where given (a TF32 call of the common variant),
-// runs the dK/dV and dQ passes instead of this family's TF32 kernels (dispatch.cu: the Hopper ones).
+// 16 x head_dim accumulators per warp in registers). `hopper`, where given (a call of the common variant: TF32, or
+// exact with the split-TF32 workspace), runs the dK/dV and dQ passes instead of this family's (dispatch.cu: the
+// Hopper ones).
 using PassLauncher = std::string (*)(const AttentionBackwardParams&, cudaStream_t);
 struct Tf32Passes {
   PassLauncher dkdv = nullptr;

@@ -106,6 +106,16 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&kv_full, 2 * Traits::kKVBytes);
   copy(args.tma_k.with(kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
   copy(args.tma_v.with(kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+  // Split TF32: the lo parts of K and V on the same barrier (kKVBytes counts both parts), and below of each Q / dO
+  // tile on its stage's.
+  if constexpr (Traits::kSplitTf32) {
+    for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_k, smem.low.k.data()),
+                               std::make_pair(&args.tma_lo.tma_v, smem.low.v.data())}) {
+      auto [src, dst] = tma_load_pair(*tma, kv_shape, kb.head_kv, kb.batch, Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                      make_coord(n_block, 0), buffer, typename Traits::SmemLayoutKV{});
+      copy(tma->with(kv_full), src, dst);
+    }
+  }
 
   Tensor mQ = args.tma_q.get_tma_tensor(q_shape);
   Tensor mdO = args.tma_do.get_tma_tensor(q_shape);
@@ -120,11 +130,19 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
     return tma_do.partition_S(local_tile(mdO(_, _, head, kb.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                          make_coord(_, 0)));
   };
-  auto load = [&](auto const& tQgQ, auto const& tdOgdO, int m_block) {
+  auto load = [&](auto const& tQgQ, auto const& tdOgdO, int64_t head, int m_block) {
     pipeline.producer_acquire(write);
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
     copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
+    if constexpr (Traits::kSplitTf32) {
+      for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_q, smem.low.q.data()),
+                                 std::make_pair(&args.tma_lo.tma_do, smem.low.d_o.data())}) {
+        auto [src, dst] = tma_load_pair(*tma, q_shape, head, kb.batch, Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                        make_coord(m_block, 0), buffer, typename Traits::SmemLayoutQ{});
+        copy(tma->with(*full), src, dst(_, _, _, write.index()));
+      }
+    }
     ++write;
   };
   if constexpr (reads_boolean_mask(kForm)) {
@@ -133,14 +151,14 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
     for (int item = next_item<Traits, kForm>(kb, blocks, 0); item < kb.items;
          item = next_item<Traits, kForm>(kb, blocks, item + 1)) {
       const ItemTile t = kb.tile_of(item);
-      load(q_tiles(t.head), do_tiles(t.head), t.m_block);
+      load(q_tiles(t.head), do_tiles(t.head), t.head, t.m_block);
     }
   } else {
     // Every item, the tensors of a query head made once (a walk by item cost the d=256 kernel 28 bytes of spills).
     for (int64_t head = kb.head_kv * kb.group; head < (kb.head_kv + 1) * kb.group; ++head) {
       const auto tQgQ = q_tiles(head);
       const auto tdOgdO = do_tiles(head);
-      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, kb.query_tiles.begin + tile);
+      for (int tile = 0; tile < kb.query_tiles.size(); ++tile) load(tQgQ, tdOgdO, head, kb.query_tiles.begin + tile);
     }
   }
 }
@@ -528,6 +546,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kSplitTf32) {
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_do.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_v.get_tma_descriptor());
+    }
     for (int buffer = 0; buffer < Traits::kKvBuffers; ++buffer) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.kv_full[buffer], 1);
       cutlass::arch::ClusterBarrier::init(&smem.kv_empty[buffer], Traits::kConsumerThreads);

@@ -69,6 +69,16 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, 2 * Traits::kQBytes);
   copy(args.tma_q.with(smem.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
   copy(args.tma_do.with(smem.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+  // Split TF32: the lo parts of Q and dO on the same barrier (kQBytes counts both parts), and below of each K / V
+  // tile on its stage's.
+  if constexpr (Traits::kSplitTf32) {
+    for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_q, smem.low.q.data()),
+                               std::make_pair(&args.tma_lo.tma_do, smem.low.d_o.data())}) {
+      auto [src, dst] = tma_load_pair(*tma, q_shape, rb.head, rb.batch, Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                      make_coord(m_block, 0), buffer, typename Traits::SmemLayoutQ{});
+      copy(tma->with(smem.q_full), src, dst);
+    }
+  }
 
   Tensor tKgK = tma_k.partition_S(gK);  // (TMA, TMA_N, TMA_D, n)
   Tensor tKsK = tma_k.partition_D(sK);  // (TMA, TMA_N, TMA_D, stage)
@@ -81,6 +91,14 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_k.with(*full), tKgK(_, _, _, n_block), tKsK(_, _, _, write.index()));
     copy(args.tma_v.with(*full), tVgV(_, _, _, n_block), tVsV(_, _, _, write.index()));
+    if constexpr (Traits::kSplitTf32) {
+      for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_k, smem.low.k.data()),
+                                 std::make_pair(&args.tma_lo.tma_v, smem.low.v.data())}) {
+        auto [src, dst] = tma_load_pair(*tma, kv_shape, rb.head_kv, rb.batch, Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                        make_coord(n_block, 0), buffer, typename Traits::SmemLayoutKV{});
+        copy(tma->with(*full), src, dst(_, _, _, write.index()));
+      }
+    }
     ++write;
   }
 }
@@ -218,6 +236,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kSplitTf32) {
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_do.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(args.tma_lo.tma_v.get_tma_descriptor());
+    }
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
   }
   using Pipeline = typename Traits::Pipeline;

@@ -7,6 +7,9 @@
 // The last is an RS WGMMA with M = head dim, N = its 64 rows, K = the tile's keys: A = K^T goes from the K stage
 // into registers through the transposed view (a shared 32-bit operand must be K-major, which K is not along the
 // keys), B = dS is K-major as stored. Q and dO, resident, are rounded to TF32 once; K^T in registers per tile.
+// Split TF32 (Traits::kSplitTf32): Q, dO, K and V come with lo parts (the producer loads both from the call's
+// pre-split workspace), dS is stored as two parts, K^T's lo part is loaded like its hi part, and each GEMM is three
+// WGMMAs (split_tf32_mma.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +23,7 @@
 #include "backward_traits.h"
 #include "forward_kernel.h"  // RowBlock
 #include "fragments.h"
+#include "split_tf32_mma.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -35,8 +39,8 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
                                                       typename Traits::SharedStorage& smem,
                                                       typename Traits::Pipeline& pipeline_kv, int group) {
   using namespace cute;
-  using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr bool kSplit = Traits::kSplitTf32;
   const int thread = threadIdx.x - 128;  // among all consumer threads: S and dP span both warpgroups' rows
   const int wg_thread = thread % 128;    // within the warpgroup: dQ^T is its own MMA
   auto barrier = [&](int which) { named_barrier_sync(kTf32DqBarriers + 2 * group + which, 128); };
@@ -60,6 +64,22 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
   Tensor frag_ds = thr_dqt.partition_fragment_B(sdS_mine);  // descriptors of this warpgroup's rows
   Tensor smem_kt = thr_dqt.partition_A(sKt);  // this thread's A values of each stage: (MMA, MMA_M, MMA_K, stage)
   Tensor regs_kt = thr_dqt.partition_fragment_A(sKt(_, _, 0));
+  // Split TF32: the lo parts (elsewhere the hi buffers again and an unused register tensor, optimised away).
+  auto& low = low_parts<kSplit>(smem);
+  Tensor sQ_lo = make_tensor(make_smem_ptr(low.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO_lo = make_tensor(make_smem_ptr(low.d_o.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK_lo = make_tensor(make_smem_ptr(low.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV_lo = make_tensor(make_smem_ptr(low.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt_lo = make_tensor(sK_lo.data(), typename Traits::SmemLayoutKt{});
+  Tensor sdS_lo = make_tensor(make_smem_ptr(low.score_grads.data()), typename Traits::SmemLayoutDs{});
+  Tensor frag_q_lo = thr_sdp.partition_fragment_A(sQ_lo);
+  Tensor frag_do_lo = thr_sdp.partition_fragment_A(sdO_lo);
+  Tensor frag_k_lo = thr_sdp.partition_fragment_B(sK_lo);
+  Tensor frag_v_lo = thr_sdp.partition_fragment_B(sV_lo);
+  Tensor frag_ds_lo =
+      thr_dqt.partition_fragment_B(local_tile(sdS_lo, Shape<_64, Int<kBlockN>>{}, make_coord(group, 0)));
+  Tensor smem_kt_lo = thr_dqt.partition_A(sKt_lo);
+  Tensor regs_kt_lo = make_fragment_like(regs_kt);
 
   Tensor acc_dqt = partition_fragment_C(mma_dqt, Shape<Int<kHeadDim>, _64>{});
   clear(acc_dqt);
@@ -71,9 +91,13 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
   sm80::NoKeepBits no_dropout;  // the common variant never reads keep bits
 
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
-  // Q and dO stay for the CTA's life: rounded to nearest once (the tensor cores would truncate them).
-  round_tiles_to_tf32(reinterpret_cast<float*>(smem.q.data()), reinterpret_cast<float*>(smem.d_o.data()),
-                      int(cosize_v<typename Traits::SmemLayoutQ>), thread, Traits::kConsumerThreads, kTf32DqRounded);
+  // Q and dO stay for the CTA's life: rounded to nearest once (the tensor cores would truncate them). Split TF32's
+  // parts are TF32 numbers already.
+  if constexpr (!kSplit) {
+    round_tiles_to_tf32(reinterpret_cast<float*>(smem.q.data()), reinterpret_cast<float*>(smem.d_o.data()),
+                        int(cosize_v<typename Traits::SmemLayoutQ>), thread, Traits::kConsumerThreads,
+                        kTf32DqRounded);
+  }
   typename Traits::PipelineState read;
   for (int n_block = rb.key_tiles.end - 1; n_block >= rb.key_tiles.begin; --n_block) {
     const int stage = read.index();
@@ -81,8 +105,10 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     pipeline_kv.consumer_wait(read);
-    issue_wgmma<true>(mma_sdp, frag_q, frag_k(_, _, _, stage), acc_s);
-    issue_wgmma<true>(mma_sdp, frag_do, frag_v(_, _, _, stage), acc_dp);
+    issue_wgmma_parts<true, kSplit>(mma_sdp, frag_q, frag_q_lo, frag_k(_, _, _, stage), frag_k_lo(_, _, _, stage),
+                                    acc_s);
+    issue_wgmma_parts<true, kSplit>(mma_sdp, frag_do, frag_do_lo, frag_v(_, _, _, stage), frag_v_lo(_, _, _, stage),
+                                    acc_dp);
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ^T GEMM have retired
     warpgroup_fence_operand(acc_s);
     warpgroup_fence_operand(acc_dp);
@@ -98,12 +124,11 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
                                          to_log2);
     }
     barrier(kTf32DqScoreGradsFree);  // every warp has retired the previous dQ^T GEMM, the reader of dS and K^T
-    copy(sm80::converted<T>(acc_dp), thr_sdp.partition_C(sdS));  // dS rounded to TF32 by the conversion
+    store_operand_parts<kSplit>(acc_dp, thr_sdp.partition_C(sdS), thr_sdp.partition_C(sdS_lo));
     fence_stores_for_async_proxy();
-    copy(smem_kt(_, _, _, stage), regs_kt);
-    round_tf32_registers(regs_kt);
+    load_operand_parts<kSplit>(smem_kt(_, _, _, stage), smem_kt_lo(_, _, _, stage), regs_kt, regs_kt_lo);
     barrier(kTf32DqScoreGradsStored);
-    issue_wgmma<false>(mma_dqt, regs_kt, frag_ds, acc_dqt);
+    issue_wgmma_parts<false, kSplit>(mma_dqt, regs_kt, regs_kt_lo, frag_ds, frag_ds_lo, acc_dqt);
     // The stage goes back only now. S and dP have retired, and the K^T loads have landed: the WGMMA above could not
     // issue before its registers held them. Released right after the loads, the arrive does not wait for them (it
     // did not in the SASS), so the last warpgroup to release raced the producer's refill of the stage and read

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "../../common/attention_params.h"
+#include "../../common/tf32_workspace.h"
 #include "../common/block_range.h"
 #include "../sm80/launch_common.h"
 #include "backward_dkdv_kernel.h"
@@ -35,7 +36,14 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
     return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, key_tma_shape(p)),
                          KVLayout{}, Shape<Int<kKVRows>, Int<kHeadDim>>{}, _1{});
   };
-  return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v)};
+  if constexpr (Traits::kSplitTf32) {  // the hi and lo parts the pre-pass wrote (split_tf32_backward_launch.h)
+    const SplitTf32BackwardParts parts = split_tf32_backward_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k,
+                                                                   p.heads_q, p.heads_kv, p.head_dim);
+    return {p,  q_tma(parts.q_hi), q_tma(parts.d_o_hi), kv_tma(parts.k_hi), kv_tma(parts.v_hi),
+            {q_tma(parts.q_lo), q_tma(parts.d_o_lo), kv_tma(parts.k_lo), kv_tma(parts.v_lo)}};
+  } else {
+    return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v), {}};
+  }
 }
 
 // Causal calls order the dK/dV kernel's CTAs in bands of slices, longest key blocks first within each

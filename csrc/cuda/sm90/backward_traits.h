@@ -81,6 +81,7 @@ struct DkdvTraits {
   using Element = Element_;
   using OutElement = Element;  // dK, dV
   static constexpr bool kTf32 = false;
+  static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -220,6 +221,7 @@ struct DkdvSplitTraits {
   using Element = Element_;
   using OutElement = Element;
   static constexpr bool kTf32 = false;
+  static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static_assert(kTile.split_head_dim, "use DkdvTraits");
@@ -288,20 +290,52 @@ struct DkdvSplitTraits {
 // no major-ness). Shared memory at d=128: K, V 128 KiB, two 32-query Q/dO stages 64 KiB, P^T and dS^T 32 KiB.
 // Registers per consumer thread: S^T, dP^T block_m / 2 each, dV^T and dK^T head_dim / 2 each, plus one A operand
 // (head_dim x block_m / 128) at a time.
-constexpr BackwardTile tf32_dkdv_tile(int head_dim) {
+// Split TF32 (float32_precision="highest", split_tf32_backward_launch.h): every operand carried as hi and lo
+// parts (split_tf32_mma.h), so K, V, each Q / dO stage, P^T and dS^T take twice the shared memory, and each GEMM three
+// WGMMAs. One consumer warpgroup of 64 keys over narrower query stages: d=64 K, V 64 KiB, three 32-query Q/dO stages
+// 96 KiB, P^T and dS^T 32 KiB (192 KiB); d=128 K, V 128 KiB, two 16-query stages 64 KiB, P^T and dS^T 16 KiB
+// (208 KiB). Registers as above plus the A operand's lo part (head_dim x block_m / 128 floats).
+constexpr BackwardTile tf32_dkdv_tile(int head_dim, bool split) {
+  if (split) return head_dim <= 64 ? BackwardTile{32, 64, 3} : BackwardTile{16, 64, 2};
   return head_dim <= 64 ? BackwardTile{64, 128, 2}    // 64 + 64 + 64 KiB; 32 + 32 + 32 + 32 (+ 32) floats
                         : BackwardTile{32, 128, 2};   // 128 + 64 + 32 KiB; 16 + 16 + 64 + 64 (+ 32) floats
 }
 
-template <int kHeadDim_>
+// Split TF32: the hi parts' storage plus `low`, the lo parts of the same operands under the same names (so that
+// split_tf32_mma.h low_parts(smem) is either `low` or, without split TF32, the storage itself).
+template <class HiStorage, class LowParts>
+struct WithLowParts : HiStorage {
+  LowParts low;
+};
+template <class Element, class SmemLayoutKV, class SmemLayoutQ, class SmemLayoutScoresT>
+struct DkdvLowParts {
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> probs;
+  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> score_grads;
+};
+template <class Element, class SmemLayoutQ, class SmemLayoutKV, class SmemLayoutDs>
+struct DqLowParts {
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> score_grads;
+};
+
+template <int kHeadDim_, bool kSplitTf32_ = false>
 struct Tf32DkdvTraits {
   using Element = cutlass::tfloat32_t;  // float32 bits; the tensor cores read the TF32 part
   using OutElement = float;
   static constexpr bool kTf32 = true;
+  static constexpr bool kSplitTf32 = kSplitTf32_;
+  static constexpr int kOperandParts = kSplitTf32 ? 2 : 1;
   static constexpr bool kSplitHeadDim = false;
   static constexpr int kKvBuffers = 1;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr BackwardTile kTile = tf32_dkdv_tile(kHeadDim);
+  static constexpr BackwardTile kTile = tf32_dkdv_tile(kHeadDim, kSplitTf32);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -309,8 +343,8 @@ struct Tf32DkdvTraits {
   static constexpr int kConsumerThreads = kConsumerGroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kProducerRegisters = 32;
-  static constexpr int kConsumerRegisters = 232;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && kBlockN == 128);
+  static constexpr int kConsumerRegisters = kConsumerGroups == 1 ? 256 : 232;  // 240 spilled 44 bytes (d=64 split)
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && (kBlockN == 128 || (kSplitTf32 && kBlockN == 64)));
   static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along keys
@@ -336,10 +370,14 @@ struct Tf32DkdvTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using StatsPipeline = cutlass::PipelineAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  // Bytes of one load of a Q (dO) tile and of K (V): with split TF32 both parts, on one barrier.
+  static constexpr uint32_t kQBytes = kOperandParts * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kOperandParts * kBlockN * kHeadDim * sizeof(Element);
 
-  using SharedStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutScoresT, kStages, kBlockM>;
+  using HiStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutScoresT, kStages, kBlockM>;
+  using SharedStorage = std::conditional_t<
+      kSplitTf32, WithLowParts<HiStorage, DkdvLowParts<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutScoresT>>,
+      HiStorage>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -360,6 +398,7 @@ struct DqTraits {
   using Element = Element_;
   using OutElement = Element;  // dQ
   static constexpr bool kTf32 = false;
+  static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dq_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -418,18 +457,23 @@ struct DqTraits {
 //     dQ^T += K^T dS^T      (M = head dim, N = its 64 queries, K = the tile's keys)
 // with A = K^T loaded transposed from the K stage into registers. Q and dO stay resident; K and V stream.
 // Shared memory at d=128: Q, dO 128 KiB, two 32-key K/V stages 64 KiB, dS 16 KiB.
-constexpr BackwardTile tf32_dq_tile(int head_dim) {
+// Split TF32: d=64 Q, dO hi and lo 128 KiB, two 32-key K/V stages 64 KiB, dS 32 KiB (224 KiB); d=128 one consumer
+// warpgroup of 64 rows: Q, dO 128 KiB, two 16-key stages 64 KiB, dS 8 KiB (200 KiB).
+constexpr BackwardTile tf32_dq_tile(int head_dim, bool split) {
+  if (split) return head_dim <= 64 ? BackwardTile{128, 32, 2} : BackwardTile{64, 16, 2};
   return head_dim <= 64 ? BackwardTile{128, 64, 2}    // 64 + 64 + 32 KiB; S, dP 32 + 32, dQ^T 32, A 32 floats
                         : BackwardTile{128, 32, 2};   // 128 + 64 + 16 KiB; 16 + 16, 64, A 32 floats
 }
 
-template <int kHeadDim_>
+template <int kHeadDim_, bool kSplitTf32_ = false>
 struct Tf32DqTraits {
   using Element = cutlass::tfloat32_t;
   using OutElement = float;
   static constexpr bool kTf32 = true;
+  static constexpr bool kSplitTf32 = kSplitTf32_;
+  static constexpr int kOperandParts = kSplitTf32 ? 2 : 1;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr BackwardTile kTile = tf32_dq_tile(kHeadDim);
+  static constexpr BackwardTile kTile = tf32_dq_tile(kHeadDim, kSplitTf32);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -438,7 +482,7 @@ struct Tf32DqTraits {
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && kBlockM == 128);
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128 && (kBlockM == 128 || (kSplitTf32 && kBlockM == 64)));
   static_assert(registers_fit(kThreads, kConsumerThreads, kProducerRegisters, kConsumerRegisters));
 
   using GroupLayout = Layout<Shape<Int<kConsumerGroups>, _1, _1>>;  // consumer warpgroups stacked along rows
@@ -462,10 +506,11 @@ struct Tf32DqTraits {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // K and V tiles, one barrier per stage for both
   using PipelineState = typename Pipeline::PipelineState;
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  // Bytes of one load of Q (dO) and of a K (V) tile: with split TF32 both parts, on one barrier.
+  static constexpr uint32_t kQBytes = kOperandParts * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kOperandParts * kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
+  struct HiStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
@@ -474,6 +519,8 @@ struct Tf32DqTraits {
     typename Pipeline::SharedStorage pipeline_kv;
     alignas(8) uint64_t q_full;
   };
+  using SharedStorage = std::conditional_t<
+      kSplitTf32, WithLowParts<HiStorage, DqLowParts<Element, SmemLayoutQ, SmemLayoutKV, SmemLayoutDs>>, HiStorage>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -484,6 +531,14 @@ struct Tf32DqTraits {
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
+template <class Traits>
+struct BackwardLowPartTmas {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
 // Kernel arguments: the plain parameters plus the TMA descriptors (built on the host per call).
 template <class Traits>
 struct BackwardArgs {
@@ -492,6 +547,8 @@ struct BackwardArgs {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+  // Split TF32: the lo parts' descriptors (the four above then read the hi parts), named like those.
+  std::conditional_t<Traits::kSplitTf32, BackwardLowPartTmas<Traits>, NoLowPartTmas> tma_lo;
   // dK/dV kernel: 0 orders the CTAs slice by slice (every key block of one (batch, KV head) slice, then the next);
   // n > 0 cuts the slices into bands of n and orders each band key block first (backward_key_block.h).
   int64_t band_slices = 0;

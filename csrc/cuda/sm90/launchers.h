@@ -33,5 +33,11 @@ template <int kHeadDim>
 std::string launch_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
 template <int kHeadDim>
 std::string launch_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream);
+// Their split-TF32 forms (float32_precision="highest" with the split-TF32 workspace; split_tf32_backward_launch.h),
+// the dK/dV launcher first writing the operands' parts.
+template <int kHeadDim>
+std::string launch_split_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
+template <int kHeadDim>
+std::string launch_split_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash::cuda::sm90

@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../sm80/fragments.h"
 #include "fragments.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -73,6 +74,44 @@ __device__ __forceinline__ void issue_wgmma_parts(TiledMma& mma, A& a_hi, A& a_l
       warpgroup_fence_operand(a_hi);
       warpgroup_fence_operand(a_lo);
     }
+  }
+}
+
+// The lo parts of a kernel's shared operands, named like its hi parts: with kSplit the storage's `low`
+// (backward_traits.h WithLowParts), else the storage itself, so that code naming them compiles for every kernel.
+template <bool kSplit, class Storage>
+__device__ __forceinline__ auto& low_parts(Storage& smem) {
+  if constexpr (kSplit) {
+    return smem.low;
+  } else {
+    return smem;
+  }
+}
+
+// Float32 accumulators stored as a shared TF32 operand: rounded to TF32, or with kSplit as hi and lo parts.
+template <bool kSplit, class Acc, class Hi, class Lo>
+__device__ __forceinline__ void store_operand_parts(Acc const& acc, Hi&& hi, Lo&& lo) {
+  using T = cutlass::tfloat32_t;
+  if constexpr (kSplit) {
+    auto hi_part = cute::make_tensor_like<T>(acc);
+    auto lo_part = cute::make_tensor_like<T>(acc);
+    split_registers(acc, hi_part, lo_part);
+    cute::copy(hi_part, hi);
+    cute::copy(lo_part, lo);
+  } else {
+    cute::copy(sm80::converted<T>(acc), hi);
+  }
+}
+
+// A register operand loaded from shared memory: rounded to TF32 in registers, or with kSplit its two parts (TF32
+// numbers already, written by the pre-pass).
+template <bool kSplit, class SrcHi, class SrcLo, class Regs>
+__device__ __forceinline__ void load_operand_parts(SrcHi const& hi, SrcLo const& lo, Regs& regs_hi, Regs& regs_lo) {
+  cute::copy(hi, regs_hi);
+  if constexpr (kSplit) {
+    cute::copy(lo, regs_lo);
+  } else {
+    round_tf32_registers(regs_hi);
   }
 }
 

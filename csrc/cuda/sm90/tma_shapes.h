@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cute/tensor.hpp>
 
@@ -17,6 +18,17 @@ __host__ __device__ auto query_tma_shape(const Params& p) {
 template <class Params>
 __host__ __device__ auto key_tma_shape(const Params& p) {
   return cute::make_shape(int32_t(p.seqlen_k), int32_t(p.head_dim), int32_t(p.heads_kv), int32_t(p.batch));
+}
+
+// (TMA source, TMA destination) of one load: tile(s) `tile` at `coord` of the tensor that `tma` reads under `shape`,
+// at (head, batch), and `buffer` seen as `layout`.
+template <class Tma, class Shape, class Tile, class Coord, class Element, class Layout>
+__device__ __forceinline__ auto tma_load_pair(Tma const& tma, Shape const& shape, int64_t head, int64_t batch,
+                                              Tile tile, Coord coord, Element* buffer, Layout layout) {
+  using namespace cute;
+  auto slice = tma.get_slice(0);
+  return std::make_pair(slice.partition_S(local_tile(tma.get_tma_tensor(shape)(_, _, head, batch), tile, coord)),
+                        slice.partition_D(make_tensor(make_smem_ptr(buffer), layout)));
 }
 
 }  // namespace jax_flash::cuda::sm90
