@@ -42,8 +42,8 @@ FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_f32_highest", "jax_flash
                            "xla_f32_highest")
 FLOAT32_MODE = {"jax_flash_tf32": "tf32", "jax_flash_f32_highest": "highest",  # jax_flash's float32_precision
                 "jax_flash_f32_split": "highest"}
-# JAX_FLASH_SM90_SPLIT_TF32 per row (read when its function is traced): "highest" on the exact float32 kernels, or
-# on the split-TF32 Hopper forward (its backward stays exact).
+# JAX_FLASH_SM90_SPLIT_TF32 and JAX_FLASH_SM90_SPLIT_TF32_BACKWARD per row (read when its functions are traced):
+# "highest" on the exact float32 kernels, or on the split-TF32 Hopper forward and backward passes.
 SPLIT_TF32_SWITCH = {"jax_flash_f32_highest": "0", "jax_flash_f32_split": "1"}
 XLA_FLOAT32 = {"xla_f32_default": "default", "xla_f32_highest": "highest"}  # XLA's matmul precision
 JAX_FLASH_IMPLEMENTATIONS = (*KERNEL_FAMILY, *FLOAT32_MODE)  # the rows that take every feature
@@ -129,10 +129,11 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
 
 def kernel_families(implementation: str):
     """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD] (the C++ dispatcher reads them at every call) and
-    JAX_FLASH_SM90_SPLIT_TF32 (read when the row's function is traced, which happens inside)."""
+    JAX_FLASH_SM90_SPLIT_TF32[_BACKWARD] (read when the row's functions are traced, which happens inside)."""
     return environment({"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
                         "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation),
-                        "JAX_FLASH_SM90_SPLIT_TF32": SPLIT_TF32_SWITCH.get(implementation)})
+                        "JAX_FLASH_SM90_SPLIT_TF32": SPLIT_TF32_SWITCH.get(implementation),
+                        "JAX_FLASH_SM90_SPLIT_TF32_BACKWARD": SPLIT_TF32_SWITCH.get(implementation)})
 
 
 @contextlib.contextmanager

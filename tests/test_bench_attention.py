@@ -50,24 +50,31 @@ def test_rows_compute_their_feature(implementation, feature, causal):
 
 @pytest.mark.parametrize("setting", (None, "0", "1"))
 def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch, setting):
-    """Under its kernel families, the split row's call is traced with JAX_FLASH_SM90_SPLIT_TF32=1 (its lowered call
-    carries the split-TF32 workspace), the exact row's with 0, whatever the process has; the process's value is back
-    afterwards."""
+    """Under its kernel families, the split row's forward and backward are traced with JAX_FLASH_SM90_SPLIT_TF32 and
+    JAX_FLASH_SM90_SPLIT_TF32_BACKWARD at 1 (their lowered calls carry the split-TF32 workspaces), the exact row's
+    with 0, whatever the process has; the process's values are back afterwards."""
     from jax_flash import _ffi_calls
 
-    if setting is None:
-        monkeypatch.delenv(_ffi_calls.SPLIT_TF32_ENV, raising=False)
-    else:
-        monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, setting)
+    switches = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV)
+    for switch in switches:
+        if setting is None:
+            monkeypatch.delenv(switch, raising=False)
+        else:
+            monkeypatch.setenv(switch, setting)
     q, k, v = inputs()
-    workspace = "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k))
+    workspaces = ("tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k)),
+                  "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_backward_workspace_shape(q, k)))
     lowered = {}
     for row in ("jax_flash_f32_split", "jax_flash_f32_highest"):
         with bench.kernel_families(row):
-            lowered[row] = jax.jit(bench.attention_fn(row, True)).lower(q, k, v).as_text()
-    assert workspace in lowered["jax_flash_f32_split"]
-    assert workspace not in lowered["jax_flash_f32_highest"]
-    assert os.environ.get(_ffi_calls.SPLIT_TF32_ENV) == setting
+            attend = bench.attention_fn(row, True)
+            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
+            lowered[row] = jax.jit(step).lower(q, k, v).as_text()
+    for workspace in workspaces:
+        assert workspace in lowered["jax_flash_f32_split"]
+        assert workspace not in lowered["jax_flash_f32_highest"]
+    for switch in switches:
+        assert os.environ.get(switch) == setting
 
 
 def test_short_calls_get_enough_repetitions_for_a_long_trial():

@@ -62,16 +62,12 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   typename Traits::TiledMmaDkvT mma_dkvt;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
   auto thr_dkvt = mma_dkvt.get_thread_slice(wg_thread);
-  // The smem descriptors from the warpgroup's first thread and (below) warp-uniform stages, so that they stay in
-  // uniform registers (fragments.h warp_uniform).
-  auto desc_sdp = mma_sdp.get_thread_slice(warp_uniform(group * 128));
-  auto desc_dkvt = mma_dkvt.get_thread_slice(0);
-  Tensor frag_k = desc_sdp.partition_fragment_A(sK);  // smem descriptors
-  Tensor frag_v = desc_sdp.partition_fragment_A(sV);
-  Tensor frag_q = desc_sdp.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_do = desc_sdp.partition_fragment_B(sdO);
-  Tensor frag_p = desc_dkvt.partition_fragment_B(sP_mine);  // descriptors of this warpgroup's rows
-  Tensor frag_ds = desc_dkvt.partition_fragment_B(sdS_mine);
+  Tensor frag_k = thr_sdp.partition_fragment_A(sK);  // smem descriptors
+  Tensor frag_v = thr_sdp.partition_fragment_A(sV);
+  Tensor frag_q = thr_sdp.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor frag_do = thr_sdp.partition_fragment_B(sdO);
+  Tensor frag_p = thr_dkvt.partition_fragment_B(sP_mine);  // descriptors of this warpgroup's rows
+  Tensor frag_ds = thr_dkvt.partition_fragment_B(sdS_mine);
   // dO^T and Q^T: this thread's A values of a stage (smem view) and the registers they go to.
   Tensor smem_dot = thr_dkvt.partition_A(sdOt);  // (MMA, MMA_M, MMA_K, stage)
   Tensor smem_qt = thr_dkvt.partition_A(sQt);
@@ -86,14 +82,14 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   Tensor sdOt_lo = make_tensor(sdO_lo.data(), typename Traits::SmemLayoutQt{});
   Tensor sP_lo = make_tensor(make_smem_ptr(low.probs.data()), typename Traits::SmemLayoutScoresT{});
   Tensor sdS_lo = make_tensor(make_smem_ptr(low.score_grads.data()), typename Traits::SmemLayoutScoresT{});
-  Tensor frag_k_lo = desc_sdp.partition_fragment_A(sK_lo);
-  Tensor frag_v_lo = desc_sdp.partition_fragment_A(sV_lo);
-  Tensor frag_q_lo = desc_sdp.partition_fragment_B(sQ_lo);
-  Tensor frag_do_lo = desc_sdp.partition_fragment_B(sdO_lo);
+  Tensor frag_k_lo = thr_sdp.partition_fragment_A(sK_lo);
+  Tensor frag_v_lo = thr_sdp.partition_fragment_A(sV_lo);
+  Tensor frag_q_lo = thr_sdp.partition_fragment_B(sQ_lo);
+  Tensor frag_do_lo = thr_sdp.partition_fragment_B(sdO_lo);
   Tensor frag_p_lo =
-      desc_dkvt.partition_fragment_B(local_tile(sP_lo, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0)));
+      thr_dkvt.partition_fragment_B(local_tile(sP_lo, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0)));
   Tensor frag_ds_lo =
-      desc_dkvt.partition_fragment_B(local_tile(sdS_lo, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0)));
+      thr_dkvt.partition_fragment_B(local_tile(sdS_lo, Shape<_64, Int<kBlockM>>{}, make_coord(group, 0)));
   Tensor smem_dot_lo = thr_dkvt.partition_A(sdOt_lo);
   Tensor smem_qt_lo = thr_dkvt.partition_A(sQt_lo);
   Tensor regs_a_lo = make_fragment_like(regs_a);
@@ -119,7 +115,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   const TileSpan unmasked = fully_visible_query_tiles(kb.mask, kb.n0, kBlockN, kBlockM);  // no per-element mask
   ItemTile tile = kb.first_tile();  // every item in order
   for (int item = 0; item < kb.items; ++item, tile = kb.next_tile(tile)) {
-    const int stage = warp_uniform(read.index());
+    const int stage = read.index();
     const int64_t m0 = int64_t(tile.m_block) * kBlockM;
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
