@@ -301,14 +301,16 @@ std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
     return "bias, boolean mask, dropout, softcap, ALiBi and softmax_scale <= 0 run on the float32 kernels only";
   }
   if (!sm90_tf32_built(p.head_dim)) {
-    return build_refusal("no sm_90a TF32 kernel for head_dim " + std::to_string(p.head_dim));
+    return build_refusal(std::string("no sm_90a ") + (p.split_tf32 ? "split-TF32" : "TF32") +
+                         " backward kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides
-  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv, p.split_tf32 ? p.tf32_vt : p.q};
+  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides, the split pre-pass
+  const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv};
   for (const void* ptr : operands) {
-    if (!aligned16(ptr)) return "q, k, v, dO, dq, dk, dv and the split-TF32 workspace must be 16-byte aligned";
+    if (!aligned16(ptr)) return "q, k, v, dO, dq, dk and dv must be 16-byte aligned";
   }
+  if (p.split_tf32 && !aligned16(p.tf32_vt)) return "the split-TF32 workspace must be 16-byte aligned";
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";
   return {};

@@ -522,6 +522,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 "the split-head-dim form has no transforms or masked form");
   static_assert(!Traits::kTf32 || (kForm == BackwardForm::kCommon && !kFusedDq),
                 "the TF32 form has no transforms, masked or fused-dQ form");
+  static_assert(!Traits::kSplitTf32 || Traits::kKvBuffers == 1, "split TF32's lo K/V have one buffer");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;

@@ -45,6 +45,7 @@ std::string launch_split_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_
 // After launch_split_tf32_dkdv, which wrote the parts this pass reads.
 template <int kHeadDim>
 std::string launch_split_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the split-TF32 tiles and the workspace's head dims");
   if (p.tf32_vt == nullptr || !p.split_tf32) return "sm90 split-TF32 backward: no split-TF32 workspace";
   return launch_dq_kernel<Tf32DqTraits<kHeadDim, true>, BackwardForm::kCommon>(p, stream,
                                                                                "sm90 split-TF32 dQ kernel launch");
