@@ -35,30 +35,34 @@ constexpr int64_t split_tf32_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_
   return 2 * (tf32_vt_per_head(seqlen_k, head_dim) + group * seqlen_q * head_dim + seqlen_k * head_dim);
 }
 
-// The six parts of a split-TF32 workspace that starts at `base`, for `batch` (every leading dimension) x heads_kv
-// (batch rows, KV heads).
+// One operand's two parts in a split-TF32 workspace: whole arrays shaped like the operand, hi then lo.
+struct OperandParts {
+  float* hi;
+  float* lo;
+};
+
+// The next operand's parts at *cursor, `count` floats each; moves the cursor past them.
+inline OperandParts next_operand_parts(float** cursor, int64_t count) {
+  const OperandParts parts{*cursor, *cursor + count};
+  *cursor += 2 * count;
+  return parts;
+}
+
+// The parts of a split-TF32 forward's workspace that starts at `base`, for `batch` (every leading dimension) x
+// heads_kv (batch rows, KV heads).
 struct SplitTf32Parts {
-  float* vt_hi;
-  float* vt_lo;
-  float* q_hi;
-  float* q_lo;
-  float* k_hi;
-  float* k_lo;
+  OperandParts vt;
+  OperandParts q;
+  OperandParts k;
 };
 
 inline SplitTf32Parts split_tf32_parts(float* base, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                                        int64_t heads_q, int64_t heads_kv, int64_t head_dim) {
-  const int64_t vt = batch * heads_kv * tf32_vt_per_head(seqlen_k, head_dim);
-  const int64_t q = batch * seqlen_q * heads_q * head_dim;
-  const int64_t k = batch * seqlen_k * heads_kv * head_dim;
-  SplitTf32Parts parts{};
-  parts.vt_hi = base;
-  parts.vt_lo = parts.vt_hi + vt;
-  parts.q_hi = parts.vt_lo + vt;
-  parts.q_lo = parts.q_hi + q;
-  parts.k_hi = parts.q_lo + q;
-  parts.k_lo = parts.k_hi + k;
-  return parts;
+  float* cursor = base;
+  // Braced initialisers run in order: the parts follow one another as listed.
+  return {next_operand_parts(&cursor, batch * heads_kv * tf32_vt_per_head(seqlen_k, head_dim)),
+          next_operand_parts(&cursor, batch * seqlen_q * heads_q * head_dim),
+          next_operand_parts(&cursor, batch * seqlen_k * heads_kv * head_dim)};
 }
 
 // The split-TF32 backward (its dq_accum workspace on a float32 call: cuda/sm90/split_tf32_backward_launch.h) holds
@@ -70,14 +74,10 @@ constexpr int64_t split_tf32_backward_per_head(int64_t seqlen_q, int64_t seqlen_
 }
 
 struct SplitTf32BackwardParts {
-  float* q_hi;
-  float* q_lo;
-  float* d_o_hi;
-  float* d_o_lo;
-  float* k_hi;
-  float* k_lo;
-  float* v_hi;
-  float* v_lo;
+  OperandParts q;
+  OperandParts d_o;
+  OperandParts k;
+  OperandParts v;
 };
 
 inline SplitTf32BackwardParts split_tf32_backward_parts(float* base, int64_t batch, int64_t seqlen_q,
@@ -85,16 +85,9 @@ inline SplitTf32BackwardParts split_tf32_backward_parts(float* base, int64_t bat
                                                         int64_t head_dim) {
   const int64_t q = batch * seqlen_q * heads_q * head_dim;
   const int64_t k = batch * seqlen_k * heads_kv * head_dim;
-  SplitTf32BackwardParts parts{};
-  parts.q_hi = base;
-  parts.q_lo = parts.q_hi + q;
-  parts.d_o_hi = parts.q_lo + q;
-  parts.d_o_lo = parts.d_o_hi + q;
-  parts.k_hi = parts.d_o_lo + q;
-  parts.k_lo = parts.k_hi + k;
-  parts.v_hi = parts.k_lo + k;
-  parts.v_lo = parts.v_hi + k;
-  return parts;
+  float* cursor = base;
+  return {next_operand_parts(&cursor, q), next_operand_parts(&cursor, q), next_operand_parts(&cursor, k),
+          next_operand_parts(&cursor, k)};
 }
 
 }  // namespace jax_flash

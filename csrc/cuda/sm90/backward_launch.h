@@ -39,8 +39,8 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
   if constexpr (Traits::kSplitTf32) {  // the hi and lo parts the pre-pass wrote (split_tf32_backward_launch.h)
     const SplitTf32BackwardParts parts = split_tf32_backward_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k,
                                                                    p.heads_q, p.heads_kv, p.head_dim);
-    return {p,  q_tma(parts.q_hi), q_tma(parts.d_o_hi), kv_tma(parts.k_hi), kv_tma(parts.v_hi),
-            {q_tma(parts.q_lo), q_tma(parts.d_o_lo), kv_tma(parts.k_lo), kv_tma(parts.v_lo)}};
+    return {p,  q_tma(parts.q.hi), q_tma(parts.d_o.hi), kv_tma(parts.k.hi), kv_tma(parts.v.hi),
+            {q_tma(parts.q.lo), q_tma(parts.d_o.lo), kv_tma(parts.k.lo), kv_tma(parts.v.lo)}};
   } else {
     return {p, q_tma(p.q), q_tma(p.d_o), kv_tma(p.k), kv_tma(p.v), {}};
   }

@@ -250,8 +250,8 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   if constexpr (Traits::kSplit) {  // split_tf32_launch.h: p.q and p.k are the hi parts already
     const SplitTf32Parts parts =
         split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
-    args.tma_lo = {make_tma_q<Traits>(p, parts.q_lo), make_tma_k<Traits>(p, parts.k_lo),
-                   make_tma_v<Traits>(p, parts.vt_lo)};
+    args.tma_lo = {make_tma_q<Traits>(p, parts.q.lo), make_tma_k<Traits>(p, parts.k.lo),
+                   make_tma_v<Traits>(p, parts.vt.lo)};
   }
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;

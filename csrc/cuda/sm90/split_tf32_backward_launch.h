@@ -26,17 +26,12 @@ std::string launch_split_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_
   const int64_t k_floats = p.batch * p.seqlen_k * p.heads_kv * p.head_dim;
   const struct {
     const void* x;
-    float* hi;
-    float* lo;
+    OperandParts parts;
     int64_t count;
-  } operands[] = {{p.q, parts.q_hi, parts.q_lo, q_floats},
-                  {p.d_o, parts.d_o_hi, parts.d_o_lo, q_floats},
-                  {p.k, parts.k_hi, parts.k_lo, k_floats},
-                  {p.v, parts.v_hi, parts.v_lo, k_floats}};
+  } operands[] = {{p.q, parts.q, q_floats}, {p.d_o, parts.d_o, q_floats}, {p.k, parts.k, k_floats},
+                  {p.v, parts.v, k_floats}};
   for (const auto& operand : operands) {
-    if (std::string err = launch_split_tf32(operand.x, operand.hi, operand.lo, operand.count, stream); !err.empty()) {
-      return err;
-    }
+    if (std::string err = launch_split_tf32(operand.x, operand.parts, operand.count, stream); !err.empty()) return err;
   }
   return launch_dkdv_kernel<Tf32DkdvTraits<kHeadDim, true>, BackwardForm::kCommon, false>(
       p, stream, "sm90 split-TF32 dK/dV kernel launch");

@@ -24,14 +24,12 @@ std::string launch_split_tf32_variant(const AttentionParams& p, cudaStream_t str
   if (p.tf32_vt == nullptr || !p.split_tf32) return "sm90 split-TF32 forward: no split-TF32 workspace";
   const SplitTf32Parts parts =
       split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
-  if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream, parts.vt_lo); !err.empty()) return err;
-  if (std::string err = launch_split_tf32(p.q, parts.q_hi, parts.q_lo, p.batch * p.seqlen_q * p.heads_q * p.head_dim,
-                                          stream);
+  if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream, parts.vt.lo); !err.empty()) return err;
+  if (std::string err = launch_split_tf32(p.q, parts.q, p.batch * p.seqlen_q * p.heads_q * p.head_dim, stream);
       !err.empty()) {
     return err;
   }
-  if (std::string err = launch_split_tf32(p.k, parts.k_hi, parts.k_lo,
-                                          p.batch * p.seqlen_k * p.heads_kv * p.head_dim, stream);
+  if (std::string err = launch_split_tf32(p.k, parts.k, p.batch * p.seqlen_k * p.heads_kv * p.head_dim, stream);
       !err.empty()) {
     return err;
   }
@@ -40,8 +38,8 @@ std::string launch_split_tf32_variant(const AttentionParams& p, cudaStream_t str
   if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
   // The kernel's Q and K descriptors read the hi parts; launch_tiles adds those of the lo parts (Traits::kSplit).
   AttentionParams hi = p;
-  hi.q = parts.q_hi;
-  hi.k = parts.k_hi;
+  hi.q = parts.q.hi;
+  hi.k = parts.k.hi;
   return launch_tiles<Traits, kVariant>(hi, persistent, max_ctas, stream);
 }
 

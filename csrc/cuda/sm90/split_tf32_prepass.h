@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../../common/tf32_workspace.h"
 #include "split_tf32_mma.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -29,14 +30,14 @@ __global__ void __launch_bounds__(kThreads) split_tf32_kernel(const float4* x, f
 }
 
 // Writes the parts of `count` floats (a multiple of 4: head_dim is) of x on `stream`.
-inline std::string launch_split_tf32(const void* x, float* hi, float* lo, int64_t count, cudaStream_t stream) {
+inline std::string launch_split_tf32(const void* x, OperandParts parts, int64_t count, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t count4 = count / 4;
   if (count4 == 0) return {};
   // A grid-stride loop over at most ~16 CTAs per SM of an H200 (132 SMs): enough to saturate DRAM.
   const int64_t ctas = std::min<int64_t>((count4 + kThreads - 1) / kThreads, 132 * 16);
   split_tf32_kernel<kThreads><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-      static_cast<const float4*>(x), reinterpret_cast<float4*>(hi), reinterpret_cast<float4*>(lo), count4);
+      static_cast<const float4*>(x), reinterpret_cast<float4*>(parts.hi), reinterpret_cast<float4*>(parts.lo), count4);
   if (cudaGetLastError() != cudaSuccess) return "sm90 split TF32: launch of an operand's pre-pass failed";
   return {};
 }
