@@ -9,6 +9,7 @@
 #include <string>
 
 #include "../../common/tf32_workspace.h"
+#include "../sm80/launch_common.h"
 #include "split_tf32_mma.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -34,8 +35,12 @@ inline std::string launch_split_tf32(const void* x, OperandParts parts, int64_t 
   constexpr int kThreads = 256;
   const int64_t count4 = count / 4;
   if (count4 == 0) return {};
-  // A grid-stride loop over at most ~16 CTAs per SM of an H200 (132 SMs): enough to saturate DRAM.
-  const int64_t ctas = std::min<int64_t>((count4 + kThreads - 1) / kThreads, 132 * 16);
+  // A grid-stride loop over at most the CTAs the device holds at once (cached per device): enough to saturate DRAM.
+  int64_t resident = 0;
+  if (std::string err = sm80::resident_ctas<split_tf32_kernel<kThreads>>(kThreads, 0, &resident); !err.empty()) {
+    return "sm90 split TF32: sizing the pre-pass grid: " + err;
+  }
+  const int64_t ctas = std::min<int64_t>((count4 + kThreads - 1) / kThreads, resident);
   split_tf32_kernel<kThreads><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
       static_cast<const float4*>(x), reinterpret_cast<float4*>(parts.hi), reinterpret_cast<float4*>(parts.lo), count4);
   if (cudaGetLastError() != cudaSuccess) return "sm90 split TF32: launch of an operand's pre-pass failed";
