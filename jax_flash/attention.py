@@ -153,7 +153,9 @@ def attention(
         reference path (materialises the score matrix; also accepts float64).
       float32_precision: for float32 inputs on the GPU (ignored otherwise): ``"tf32"`` (default, like XLA's
         default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation;
-        ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower). Forward and backward use the
+        ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower; on compute capability 9.x
+        ``JAX_FLASH_SM90_SPLIT_TF32=1`` and ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1`` run its forward and backward
+        in split TF32 instead, about float32's accuracy on the tensor cores: README). Forward and backward use the
         same mode. Also accepts ``jax.lax.Precision`` as XLA reads it for float32 on the GPU: ``DEFAULT`` and
         ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact. ``bias``,
         ``mask`` and dropout work in both modes.
