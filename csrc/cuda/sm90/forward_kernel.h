@@ -253,15 +253,9 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   const auto q_shape = query_tma_shape(p);
   const auto kv_shape = key_tma_shape(p);
   const int m_block = static_cast<int>(rb.m0 / Traits::kBlockM);
-  // (TMA source, TMA destination) of one part of an operand: the tile(s) `tile` at `coord` of the tensor `tma`
-  // reads for this (batch, head), and `buffer` seen as `layout`.
+  // (TMA source, TMA destination) of one part of an operand for this batch row (tma_shapes.h tma_load_pair).
   auto part = [&](auto const& tma, auto const& shape, int64_t head, auto tile, auto coord, auto* buffer,
-                  auto layout) {
-    Tensor g = local_tile(tma.get_tma_tensor(shape)(_, _, head, rb.batch), tile, coord);
-    Tensor s = make_tensor(make_smem_ptr(buffer), layout);
-    auto slice = tma.get_slice(0);
-    return std::make_pair(slice.partition_S(g), slice.partition_D(s));
-  };
+                  auto layout) { return tma_load_pair(tma, shape, head, rb.batch, tile, coord, buffer, layout); };
   // Q's tile; K's key tiles (TMA, TMA_N, TMA_D, n) and stages (..., stage); V's the same, from V itself or from
   // TF32's V^T workspace.
   auto q_part = [&](auto const& tma, auto* buffer) {
