@@ -84,10 +84,16 @@ def _fits_hopper_float32_forward(q: jax.Array, masks: MaskOperands, config: Scor
                                  dense: DenseOperands) -> bool:
     """What the Hopper TF32 and split-TF32 forwards both take: head_dim <= 128 and a multiple of 4 (TMA rows), no
     dropout, and the common form, or unless ``JAX_FLASH_TF32_FORMS=0`` also the transforms and dense forms."""
-    head_dim = q.shape[-1]
-    if not (head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0):
+    if not _fits_hopper_float32_tiles(q, config):
         return False
     return _is_common_form(masks, config, dense) or switch_on(TF32_FORMS_ENV, default=True)
+
+
+def _fits_hopper_float32_tiles(q: jax.Array, config: ScoreConfig) -> bool:
+    """What every Hopper float32 kernel (TF32 and split TF32, forward and backward) needs of a call: head_dim <= 128
+    and a multiple of 4 (TMA rows), no dropout."""
+    head_dim = q.shape[-1]
+    return head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0
 
 
 def _is_common_form(masks: MaskOperands, config: ScoreConfig, dense: DenseOperands) -> bool:
@@ -122,11 +128,9 @@ def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, confi
     ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1`` (read when the backward is traced;
     off by default: not yet measured on a GPU), head_dim <= 128 and a multiple of 4, and the common form those
     passes have (no bias, mask, dropout, softcap or ALiBi, a positive scale)."""
-    head_dim = q.shape[-1]
     return (q.dtype == jnp.float32 and not config.allow_tf32
             and switch_on(SPLIT_TF32_BACKWARD_ENV, default=False)
-            and head_dim <= _TF32_HEAD_DIMS[-1] and head_dim % 4 == 0 and config.dropout_rate == 0
-            and _is_common_form(masks, config, dense))
+            and _fits_hopper_float32_tiles(q, config) and _is_common_form(masks, config, dense))
 
 
 def split_tf32_backward_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
