@@ -232,24 +232,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    prefetch_tma_descriptors(args.tma_q, args.tma_do, args.tma_k, args.tma_v);
     if constexpr (Traits::kSplitTf32) {
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_q.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_do.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_k.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_v.get_tma_descriptor());
+      prefetch_tma_descriptors(args.tma_lo.tma_q, args.tma_lo.tma_do, args.tma_lo.tma_k, args.tma_lo.tma_v);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
   }
   using Pipeline = typename Traits::Pipeline;
-  typename Pipeline::Params params;
-  params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = Traits::kConsumerThreads;
-  params.transaction_bytes = 2 * Traits::kKVBytes;
+  const auto params = tma_pipeline_params<Pipeline>(Traits::kConsumerThreads, 2 * Traits::kKVBytes);
   Pipeline pipeline_kv(smem.pipeline_kv, params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread before any use
 

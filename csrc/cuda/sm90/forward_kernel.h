@@ -216,28 +216,14 @@ __device__ void store_empty_rows(const AttentionParams& p, const RowBlock& rb, i
   for (int r = thread; r < rb.rows_in_bounds; r += kThreads) lse[r] = -INFINITY;
 }
 
-// Split TF32 (Traits::kSplit): the lo parts' TMA descriptors and shared-memory buffers. Elsewhere the hi parts
-// themselves, so that the code naming them compiles for every kernel; only kSplit code uses them.
+// Split TF32 (Traits::kSplit): the lo parts' TMA descriptors (their buffers: split_tf32_mma.h low_parts). Elsewhere
+// the hi parts' descriptors, so that the code naming them compiles for every kernel; only kSplit code uses them.
 template <class Traits>
 __device__ __forceinline__ auto const& low_part_tmas(const ForwardArgs<Traits>& args) {
   if constexpr (Traits::kSplit) {
     return args.tma_lo;
   } else {
     return args;
-  }
-}
-template <class Traits>
-struct LowPartBuffers {
-  typename Traits::Element* q;
-  typename Traits::Element* k;
-  typename Traits::Element* v;
-};
-template <class Traits>
-__device__ __forceinline__ LowPartBuffers<Traits> low_part_buffers(typename Traits::SharedStorage& smem) {
-  if constexpr (Traits::kSplit) {
-    return {smem.q_lo.data(), smem.k_lo.data(), smem.v_lo.data()};
-  } else {
-    return {smem.q.data(), smem.k.data(), smem.v.data()};
   }
 }
 
@@ -277,13 +263,13 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
     }
   };
   const auto& low = low_part_tmas(args);
+  auto& low_smem = low_parts<Traits::kSplit>(smem);
   auto q_hi = q_part(args.tma_q, smem.q.data());
   auto k_hi = k_part(args.tma_k, smem.k.data());
   auto v_hi = v_part(args.tma_v, smem.v.data());
-  const LowPartBuffers<Traits> low_buffers = low_part_buffers<Traits>(smem);
-  auto q_lo = q_part(low.tma_q, low_buffers.q);
-  auto k_lo = k_part(low.tma_k, low_buffers.k);
-  auto v_lo = v_part(low.tma_v, low_buffers.v);
+  auto q_lo = q_part(low.tma_q, low_smem.q.data());
+  auto k_lo = k_part(low.tma_k, low_smem.k.data());
+  auto v_lo = v_part(low.tma_v, low_smem.v.data());
 
   auto load_k = [&](int n_block) {
     pipeline_k.producer_acquire(write);
@@ -373,10 +359,10 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
   // Split TF32: the lo parts (elsewhere the same buffers again, unused).
-  const LowPartBuffers<Traits> low_buffers = low_part_buffers<Traits>(smem);
-  Tensor sQlo = make_tensor(make_smem_ptr(low_buffers.q), typename Traits::SmemLayoutQ{});
-  Tensor sKlo = make_tensor(make_smem_ptr(low_buffers.k), typename Traits::SmemLayoutKV{});
-  Tensor sVtlo = make_tensor(make_smem_ptr(low_buffers.v), typename Traits::SmemLayoutVt{});
+  auto& low_smem = low_parts<Traits::kSplit>(smem);
+  Tensor sQlo = make_tensor(make_smem_ptr(low_smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sKlo = make_tensor(make_smem_ptr(low_smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVtlo = make_tensor(make_smem_ptr(low_smem.v.data()), typename Traits::SmemLayoutVt{});
 
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
@@ -681,23 +667,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    if constexpr (Traits::kSplit) {
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_q.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_k.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_lo.tma_v.get_tma_descriptor());
-    }
+    prefetch_tma_descriptors(args.tma_q, args.tma_k, args.tma_v);
+    if constexpr (Traits::kSplit) prefetch_tma_descriptors(args.tma_lo.tma_q, args.tma_lo.tma_k, args.tma_lo.tma_v);
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&smem.q_empty, Traits::kConsumerThreads);
   }
-  typename Traits::Pipeline::Params params;
-  params.role = warp_group == 0 ? Traits::Pipeline::ThreadCategory::Producer
-                                : Traits::Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = Traits::kConsumerThreads;
-  params.transaction_bytes = Traits::kKVStageLoadBytes;
+  const auto params =
+      tma_pipeline_params<typename Traits::Pipeline>(Traits::kConsumerThreads, Traits::kKVStageLoadBytes);
   typename Traits::Pipeline pipeline_k(smem.pipeline_k, params, Shape<_1, _1, _1>{});
   typename Traits::Pipeline pipeline_v(smem.pipeline_v, params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread before any use

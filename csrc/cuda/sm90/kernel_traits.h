@@ -232,16 +232,20 @@ struct ForwardTraits {
     cute::array_aligned<OutElement, cosize_v<SmemLayoutQ>, 1024> o;
   };
   struct NoOutputBuffer {};
-  // Split TF32: the lo parts (the hi parts take q, k and v below).
+  // Split TF32: `low`, the lo parts under the hi parts' names (split_tf32_mma.h low_parts(smem), as the backward's
+  // WithLowParts); placed before the hi parts, the offsets the verified kernels were measured with.
   struct LowParts {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q_lo;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k_lo;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v_lo;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  };
+  struct LowPartsFirst {
+    LowParts low;
   };
   struct NoLowParts {};
 
   struct SharedStorage : std::conditional_t<kOwnOutputBuffer, OutputBuffer, NoOutputBuffer>,
-                         std::conditional_t<kSplit, LowParts, NoLowParts> {
+                         std::conditional_t<kSplit, LowPartsFirst, NoLowParts> {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
