@@ -58,14 +58,6 @@ constexpr BackwardTile dq_tile(int head_dim) {
   }
 }
 
-// (seqlen, head_dim, heads, batch) global tensors as the TMA descriptors see them (forward's convention).
-template <class Element>
-struct BshdGmem {
-  using Shape_ = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using Stride_ = Stride<int64_t, _1, int64_t, int64_t>;
-  using Tensor_ = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape_{}, Stride_{}));
-};
-
 // The same bytes as an [cols, rows, stages] MN-major operand: the transposed B of dV += P^T dO, dK += dS^T Q and
 // dQ += dS K.
 template <class SmemLayout>
@@ -184,11 +176,8 @@ struct DkdvTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
-  using GmemTensor = typename BshdGmem<Element>::Tensor_;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutKV, kBlockN, kHeadDim>;
 };
 
 // Shared memory of the dK/dV kernels whose consumers pass P^T and dS^T through shared memory (the split-head-dim
@@ -273,11 +262,8 @@ struct DkdvSplitTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
-  using GmemTensor = typename BshdGmem<Element>::Tensor_;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutKV, kBlockN, kHeadDim>;
 };
 
 // The TF32 dK/dV kernel (float32 inputs, backward_dkdv_tf32_consumer.h; an experiment, JAX_FLASH_CUDA_KERNEL_F32_
@@ -383,11 +369,8 @@ struct Tf32DkdvTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
-  using GmemTensor = typename BshdGmem<Element>::Tensor_;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutKV, kBlockN, kHeadDim>;
 };
 
 // The dK/dV traits of a head dim: the tile table's split_head_dim picks the kernel form.
@@ -446,11 +429,8 @@ struct DqTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
-  using GmemTensor = typename BshdGmem<Element>::Tensor_;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
 };
 
 // The TF32 dQ pass (float32 inputs, backward_dq_tf32_consumer.h; JAX_FLASH_CUDA_KERNEL_F32_BACKWARD with the TF32
@@ -526,11 +506,8 @@ struct Tf32DqTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
-  using GmemTensor = typename BshdGmem<Element>::Tensor_;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
 };
 
 template <class Traits>

@@ -120,6 +120,16 @@ constexpr auto k_major_smem_atom() {
   }
 }
 
+// A contiguous BSHD array as the TMA descriptors see it, (seqlen, head_dim, heads, batch) (tma_shapes.h), and a TMA
+// copy (`Copy`: load or store) of one (kRows, kCols) tile of it to or from `SmemTile`, one stage's layout.
+template <class Element>
+using BshdGmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                            Shape<int32_t, int32_t, int32_t, int32_t>{},
+                                            Stride<int64_t, _1, int64_t, int64_t>{}));
+template <class Copy, class Element, class SmemTile, int kRows, int kCols>
+using BshdTma = decltype(make_tma_copy(Copy{}, BshdGmemTensor<Element>{}, SmemTile{},
+                                       Shape<Int<kRows>, Int<kCols>>{}, _1{}));
+
 // A head dim whose common form has a tile of its own for `rows` (one that differs from its standard tile).
 constexpr bool has_row_tile(int head_dim, RowTile rows) {
   const ForwardTile mine = forward_tile(head_dim, rows), standard = forward_tile(head_dim);
@@ -257,27 +267,17 @@ struct ForwardTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemLimit);
 
-  // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch) over the contiguous BSHD arrays.
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{},
-                                          GmemStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
+  using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
   // O written back by one TMA store per tile where the tile has one consumer (its 64-row O buffer is the store's
   // box: the d=64 two/three-per-SM and short-rows tiles, whose tiles are short, so the epilogue's 16-byte stores and
   // their 64-bit addresses were a noticeable share of each tile's instructions). The store reads O's buffer
   // asynchronously; the next tile waits for that read before it stages O there again.
   static constexpr bool kTmaStoreO = kConsumerGroups == 1 && kOwnOutputBuffer && !kTf32;
-  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutQ{},
-                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaO = BshdTma<SM90_TMA_STORE, Element, SmemLayoutQ, kBlockM, kHeadDim>;
   // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
-  using TmaV = std::conditional_t<kTf32,
-                                  decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutVt{}),
-                                                         Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{})),
-                                  TmaKV>;
+  using TmaV = std::conditional_t<
+      kTf32, BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutVt{})), kHeadDim, kBlockN>, TmaKV>;
 };
 
 // How a tile number splits into (row block, batch, head), precomputed on the host in 32 bits (every count is below
