@@ -83,7 +83,7 @@ float exp_shifted_and_sum(float* row, int64_t n, float shift) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     const Int8 exponent_bits = (n_int + 127) << 23;
-    const Float8 e = underflow ? Float8{} : p * reinterpret_cast<const Float8&>(exponent_bits);
+    const Float8 e = underflow ? Float8{} : p * __builtin_bit_cast(Float8, exponent_bits);
     *reinterpret_cast<UnalignedFloat8*>(row + c) = e;
     sum8 += e;
   }
