@@ -1,0 +1,135 @@
+"""Emulates, in numpy on the CPU, the attention backward's GEMMs with operands split into low-precision parts, and
+prints how far each scheme's dq / dk / dv land from a float64 reference (max |error| / max |reference|, the float32
+exact mode's 1e-5 criterion). For choosing a scheme before writing its kernel; no GPU involved.
+
+Schemes (each GEMM's products summed in float64, then rounded to float32: the accumulator's own rounding is not
+modelled, so this is the operands' share of the error):
+- ``float32``: float32 operands, exact products (the floor every scheme shares: float32 softmax and elementwise steps).
+- ``tf32``: every operand rounded to TF32 (10 mantissa bits, round to nearest), one product.
+- ``tf32x3``: x = hi + lo with hi = tf32(x), lo = tf32(x - hi); lo*hi + hi*lo + hi*hi (the split-TF32 kernels).
+- ``fp16x3``: the same with float16 parts (the same 11 + 11 bits, half the bytes, twice the tensor rate), after
+  scaling each operand tensor by a power of two that puts its largest magnitude in [2^13, 2^14): P by 2^14,
+  dS by a power of two from its bound max|dS| <= max|dP| + max|D| (a kernel would have to pick dS's scale before
+  computing it), and the scales divided out of each GEMM's result.
+
+Run: python benchmarks/emulate_split_products.py [--seqlen-q 1000 --seqlen-k 1000 --head-dim 128 --causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def round_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 -> TF32 by rounding the magnitude half away from zero (cvt.rna.tf32.f32), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    return rounded.view(np.float32)
+
+
+def round_fp16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def parts(x: np.ndarray, rounding) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(x, np.float32)
+    hi = rounding(x)
+    lo = rounding(x - hi)
+    return hi, lo
+
+
+def power_of_two_scale(bound: float) -> float:
+    """2^k with bound * 2^k in [2^13, 2^14) (1 for a zero bound)."""
+    if bound == 0.0 or not np.isfinite(bound):
+        return 1.0
+    return float(2.0 ** (13 - np.floor(np.log2(bound))))
+
+
+def matmul(a: np.ndarray, b: np.ndarray, scheme: str, a_bound: float | None = None,
+           b_bound: float | None = None) -> np.ndarray:
+    """a @ b under a scheme, rounded to float32. The bounds choose fp16x3's scales (default: the operands' max)."""
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    if scheme == "float32":
+        return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
+    if scheme == "tf32":
+        return (round_tf32(a).astype(np.float64) @ round_tf32(b).astype(np.float64)).astype(np.float32)
+    if scheme == "tf32x3":
+        (ah, al), (bh, bl) = parts(a, round_tf32), parts(b, round_tf32)
+    elif scheme == "fp16x3":
+        sa = power_of_two_scale(np.abs(a).max() if a_bound is None else a_bound)
+        sb = power_of_two_scale(np.abs(b).max() if b_bound is None else b_bound)
+        (ah, al), (bh, bl) = parts(a * np.float32(sa), round_fp16), parts(b * np.float32(sb), round_fp16)
+        product = (al.astype(np.float64) @ bh + ah.astype(np.float64) @ bl + ah.astype(np.float64) @ bh)
+        return (product.astype(np.float32) / np.float32(sa * sb)).astype(np.float32)
+    else:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    product = al.astype(np.float64) @ bh + ah.astype(np.float64) @ bl + ah.astype(np.float64) @ bh
+    return product.astype(np.float32)
+
+
+def backward(q, k, v, d_o, scale, causal, scheme):
+    """dq, dk, dv of one head under a scheme (float32 softmax and elementwise steps, as the kernels)."""
+    sq, sk = q.shape[0], k.shape[0]
+    if scheme == "float64":
+        q, k, v, d_o = (x.astype(np.float64) for x in (q, k, v, d_o))
+        mm = lambda a, b, **_: a @ b  # noqa: E731
+        dtype = np.float64
+    else:
+        mm = lambda a, b, **kw: matmul(a, b, scheme, **kw)  # noqa: E731
+        dtype = np.float32
+    s = (mm(q, k.T) * dtype(scale)).astype(dtype)
+    if causal:
+        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(keep, s, -np.inf)
+    # lse and o from a float64 forward: the backward's inputs, not what is being measured.
+    s64 = (q.astype(np.float64) @ k.T.astype(np.float64)) * scale
+    if causal:
+        s64 = np.where(keep, s64, -np.inf)
+    m = s64.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(s64 - m).sum(axis=1, keepdims=True))).astype(dtype)
+    o = (np.exp(s64 - lse.astype(np.float64)) @ v.astype(np.float64)).astype(dtype)
+    p = np.exp(s - lse).astype(dtype)
+    dp = mm(d_o, v.T)
+    d = (d_o.astype(dtype) * o).sum(axis=1, keepdims=True).astype(dtype)
+    ds = (p * (dp - d)).astype(dtype)
+    # P lies in [0, 1]; dS is bounded by max|dP| + max|D| (P <= 1).
+    ds_bound = float(np.abs(dp).max() + np.abs(d).max())
+    dv = mm(p.T, d_o, a_bound=1.0)
+    dk = mm(ds.T, q, a_bound=ds_bound) * dtype(scale)
+    dq = mm(ds, k, a_bound=ds_bound) * dtype(scale)
+    return dq, dk, dv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen-q", type=int, default=1000)
+    parser.add_argument("--seqlen-k", type=int, default=1000)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--input-scale", type=float, default=1.0, help="multiplies q, k, v and dO")
+    parser.add_argument("--row-spread", type=float, default=0.0,
+                        help="multiplies each row of q, k, v and dO by 10^u, u uniform in [-spread, spread]")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = np.random.default_rng(args.seed)
+    shape_q, shape_k = (args.seqlen_q, args.head_dim), (args.seqlen_k, args.head_dim)
+    q, d_o = (rng.standard_normal(shape_q, dtype=np.float32) * args.input_scale for _ in range(2))
+    k, v = (rng.standard_normal(shape_k, dtype=np.float32) * args.input_scale for _ in range(2))
+    if args.row_spread:
+        q, d_o, k, v = (x * (10.0 ** rng.uniform(-args.row_spread, args.row_spread, (x.shape[0], 1))).astype(np.float32)
+                        for x in (q, d_o, k, v))
+    scale = 1.0 / np.sqrt(args.head_dim)
+    reference = backward(q, k, v, d_o, scale, args.causal, "float64")
+    print(f"sq={args.seqlen_q} sk={args.seqlen_k} d={args.head_dim} causal={args.causal} "
+          f"input scale {args.input_scale:g} row spread {args.row_spread:g}: max|error| / max|float64| of dq, dk, dv")
+    for scheme in ("float32", "tf32", "tf32x3", "fp16x3"):
+        grads = backward(q, k, v, d_o, scale, args.causal, scheme)
+        errors = [float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(grads, reference)]
+        print(f"  {scheme:7s} " + "  ".join(f"{e:.2e}" for e in errors))
+
+
+if __name__ == "__main__":
+    main()
