@@ -164,6 +164,7 @@ def tf32_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
 
 def _forward_call(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
                   dense: DenseOperands) -> tuple[jax.Array, jax.Array]:
+    workspace: jax.ShapeDtypeStruct | jax.core.ShapedArray
     if _uses_tf32_workspace(q, masks, config, dense):
         workspace = _result(k, tf32_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
     elif _uses_split_tf32_workspace(q, masks, config, dense):
@@ -280,6 +281,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
     fused_dq = _uses_fused_dq(q, masks, config, dense)
+    dq_accum: jax.ShapeDtypeStruct | jax.core.ShapedArray
     if fused_dq:
         dq_accum = _result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS)
     elif _uses_split_tf32_backward_workspace(q, masks, config, dense):

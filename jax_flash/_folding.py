@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,10 @@ def _fold_broadcastable(x: jax.Array, batched: bool, axis_size: int, batch: int)
 def fold_dense(axis_size: int, batch: int, in_batched: DenseOperands, dense: DenseOperands) -> DenseOperands:
     """Bias and mask by ``_fold_broadcastable`` (``batch``: the batch axis of ``q`` itself), seeds like the rest."""
     broadcastable = functools.partial(_fold_broadcastable, axis_size=axis_size, batch=batch)
-    return DenseOperands(broadcastable(dense.bias, in_batched.bias), broadcastable(dense.mask, in_batched.mask),
-                         fold(dense.dropout_seeds, in_batched.dropout_seeds, axis_size))
+    # in_batched holds vmap's batched flags (bools) in DenseOperands' shape.
+    batched = [cast(bool, flag) for flag in in_batched]
+    return DenseOperands(broadcastable(dense.bias, batched[0]), broadcastable(dense.mask, batched[1]),
+                         fold(dense.dropout_seeds, batched[2], axis_size))
 
 
 def unfold_dbias(dbias: jax.Array, bias: jax.Array, batched: bool, axis_size: int) -> tuple[jax.Array, bool]:

@@ -182,7 +182,7 @@ def _broadcastable(name: str, value: object, full: tuple[int, int, int, int]) ->
 
 
 def dense_operands(q: jax.Array, k: jax.Array, *, bias: object, mask: object, dropout_rate: float,
-                   dropout_rng: object) -> DenseOperands:
+                   dropout_rng: jax.Array | None) -> DenseOperands:
     """Checks bias, mask and dropout arguments and brings them to the kernels' normalised form."""
     batch, seqlen_q, heads_q, _ = q.shape
     full = (batch, heads_q, seqlen_q, k.shape[1])

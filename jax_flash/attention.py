@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,84 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: S
     if implementation == "xla":
         return attention_reference(q, k, v, masks, config, dense)
     raise ValueError(f"implementation must be None (the jax_flash kernels) or 'xla', got {implementation!r}")
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: Literal[False] = False,
+    implementation: Implementation = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: Literal[True],
+    implementation: Implementation = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    implementation: Implementation = None,
+    float32_precision: Literal["tf32", "highest"] | jax.lax.Precision = "tf32",
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def attention(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,60 @@ def _local_window(local_window_size: int | tuple[int, int] | None) -> tuple[int,
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size entries must be >= 0, got {local_window_size!r}")
     return (left, right)
+
+
+@overload
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: Literal[False] = False,
+) -> jax.Array: ...
+
+
+@overload
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def dot_product_attention(
@@ -98,7 +152,7 @@ def flax_compatible_attention(
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-            implementation="cudnn", return_residual=return_residual)
+            implementation="cudnn", return_residual=return_residual)  # type: ignore[call-overload,misc]
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) not in (3, 4):
             raise ValueError(f"{name} must have rank 3 or 4, got shape {getattr(x, 'shape', None)}")

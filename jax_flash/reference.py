@@ -15,7 +15,8 @@ from jax_flash import _dropout
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
 
 
-def _visible(masks: MaskOperands, config: ScoreConfig, batch: int, seqlen_q: int, seqlen_k: int) -> jax.Array:
+def _visible(masks: MaskOperands, config: ScoreConfig, batch: int, seqlen_q: int,
+             seqlen_k: int) -> tuple[jax.Array, jax.Array]:
     """Boolean ``[B, 1, 1, Sq, Sk]`` (broadcasts over the KV-head and group axes) and the diagonal shift."""
     i = jnp.arange(seqlen_q)[:, None]
     j = jnp.arange(seqlen_k)[None, :]
@@ -72,6 +73,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOpe
     safe_sum = jnp.where(empty, 1.0, row_sum)
     probs = weights / safe_sum
     if config.dropout_rate > 0:
+        assert dense is not None, "dropout needs the dense operands' seeds"
         keep = _dropout.keep_mask(dense.dropout_seeds, config.dropout_rate, heads_q, seqlen_q, seqlen_k)
         probs = jnp.where(grouped(keep), probs / (1.0 - config.dropout_rate), 0.0)
 

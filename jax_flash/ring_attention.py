@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ _MASK_DTYPES = MaskOperands(jnp.float32, jnp.int32, jnp.int32, jnp.int32, jnp.in
 
 
 def _present(masks: MaskOperands) -> MaskOperands:
-    return MaskOperands(*(x if x.size else None for x in masks))
+    return MaskOperands._make(x if x.size else None for x in masks)
 
 
 def _complete(masks: MaskOperands, batch: int) -> MaskOperands:
@@ -72,6 +73,72 @@ def _ring_flash_backward(call, residuals, cotangents):
 
 
 _ring_flash.defvjp(_ring_flash_forward, _ring_flash_backward)
+
+
+@overload
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: _ring.AxisName,
+    layout: LayoutName = "contiguous",
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: Literal[False] = False,
+) -> jax.Array: ...
+
+
+@overload
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: _ring.AxisName,
+    layout: LayoutName = "contiguous",
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: _ring.AxisName,
+    layout: LayoutName = "contiguous",
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def ring_attention(

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jax_flash import _ffi_calls, _folding, _relayout, _ring
 from jax_flash._block_plan import position_mask
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig
-from jax_flash.sequence_layout import SequenceLayout
+from jax_flash.sequence_layout import LayoutName, SequenceLayout
 
 Axes = tuple[str, ...]
 
@@ -193,7 +193,7 @@ def _ring_spec(call: _Call, mesh: Mesh, layout: _Layout) -> _ring.RingSpec:
     kv_shards = math.prod(mesh.shape[a] for a in layout.kv_seq)
     balance = (call.config.causal and kv_shards > 1
                and call.seqlen_q % (2 * q_shards) == 0 and call.seqlen_k % (2 * kv_shards) == 0)
-    name = "zigzag" if balance else "contiguous"
+    name: LayoutName = "zigzag" if balance else "contiguous"
     spec = _ring.ring_spec(call.config, SequenceLayout(name, q_shards, call.seqlen_q),
                            SequenceLayout(name, kv_shards, call.seqlen_k),
                            has_alibi="alibi_slopes" in call.present,

@@ -1,5 +1,7 @@
 """Transformations (jit, vmap, eval_shape, export), argument validation and the raw FFI targets."""
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -421,3 +423,16 @@ def test_which_forward_calls_get_the_tf32_workspace(monkeypatch):
     monkeypatch.setenv(_ffi_calls.TF32_FORMS_ENV, "yes")
     with pytest.raises(ValueError, match=_ffi_calls.TF32_FORMS_ENV):
         _forward_workspaces(q, k, v, softcap=2.0)
+
+
+@pytest.mark.parametrize("function, flag", [(jax_flash.attention, "return_lse"),
+                                            (jax_flash.ring_attention, "return_lse"),
+                                            (jax_flash.dot_product_attention, "return_residual")])
+def test_return_type_follows_the_flag_for_type_checkers(function, flag):
+    # The package ships py.typed: without overloads a type checker sees `Array | tuple` for every call and
+    # rejects `attention(q, k, v).shape` in user code.
+    overloads = typing.get_overloads(function)
+    returns = {typing.get_type_hints(o)[flag]: typing.get_type_hints(o)["return"] for o in overloads}
+    assert returns[typing.Literal[False]] is jax.Array
+    assert returns[typing.Literal[True]] == tuple[jax.Array, jax.Array]
+    assert returns[bool] == jax.Array | tuple[jax.Array, jax.Array]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ def dot_product_attention(
     attn_weights_value_einsum: Callable[..., Array] | None = None,
     promote_dtype: Callable[..., Sequence[Array]] | None = None,
     is_causal: bool = False,
-    implementation: str | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
 ) -> Array:
     """Fused dot-product attention with the signature of Flax's ``attention_fn``.
 
@@ -141,11 +141,11 @@ def dot_product_attention(
         mask = _fold_batch(mask.astype(jnp.bool_), batch_shape)
     # Flax's `deterministic` means "no dropout" (never jax_flash's reproducible backward).
     rate = 0.0 if deterministic else dropout_rate
-    out = flax_compatible_attention(
+    out = cast(jax.Array, flax_compatible_attention(  # no return_residual: the output alone
         query, key, value, bias, mask, is_causal=is_causal, implementation=implementation,
         dropout_rate=rate, dropout_rng=dropout_rng if rate > 0.0 else None,
         float32_precision=_float32_precision(precision),
-    )
+    ))
     return out.reshape(batch_shape + out.shape[1:])
 
 
@@ -166,7 +166,7 @@ def _check_supported(
     deterministic: bool,
     module: Any | None,
     custom_einsums: tuple[Callable[..., Array] | None, ...],
-    implementation: str | None,
+    implementation: Literal["xla", "cudnn"] | None,
 ) -> None:
     """Raises for the Flax arguments the fused kernels cannot honour."""
     if dropout_rate > 0.0 and not deterministic and implementation == "cudnn":
