@@ -197,7 +197,8 @@ def attention(
     Scores follow, in order: ``s = softmax_scale * q·k``; if ``softcap > 0``, ``s = softcap * tanh(s / softcap)``;
     with ALiBi, ``s -= slope * |i + Sk - Sq - j|``; then the masks (causal, window, lengths, segments) set
     ``-inf``. Causal and window masks are aligned bottom-right when ``Sq != Sk`` (query ``i`` sees keys
-    ``j <= i + Sk - Sq``, using each sequence's own lengths when ``q_seqlens``/``kv_seqlens`` are given).
+    ``j <= i + Sk - Sq``). With ``q_seqlens``/``kv_seqlens``, ``Sq`` and ``Sk`` in both formulas are each
+    sequence's own lengths.
     Rows that see no key give ``o = 0`` and ``lse = -inf``, never NaN.
 
     Args:
