@@ -126,10 +126,25 @@ def test_raw_target_accepts_a_mask_with_its_block_summary():
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("problem", ["o_shape", "lse_shape", "k_heads", "v_shape", "mask_shape", "mask_dtype",
-                                     "bias_shape", "bool_mask_dtype", "seeds_shape", "mask_blocks_shape",
-                                     "mask_blocks_dtype", "mask_blocks_without_mask", "mask_without_blocks",
-                                     "tf32_vt_shape", "tf32_vt_without_tf32"])
+# Each problem and what its error must name (the handler's message, not just its "jax_flash: " prefix).
+RAW_BUFFER_PROBLEMS = {
+    "o_shape": r"buffer `o` has shape \[2, 19, 4, 8\]", "lse_shape": r"buffer `lse` has shape \[2, 19, 4\]",
+    "k_heads": r"heads_q \(4\) must be a positive multiple of heads_kv \(3\)",
+    "v_shape": r"buffer `v` has shape \[2, 22, 2, 16\]", "mask_shape": r"buffer `alibi_slopes` has shape \[2, 3\]",
+    "mask_dtype": r"buffer `q_seqlens` .* dtype float32; expected .* dtype int32",
+    "bias_shape": r"buffer `bias` has shape \[2, 3, 19, 23\]",
+    "bool_mask_dtype": r"buffer `mask` .* dtype int32; .* dtype bool",
+    "seeds_shape": r"buffer `dropout_seeds` has shape \[2, 3\]",
+    "mask_blocks_shape": r"buffer `mask_blocks` has shape \[2, 1, 1, 2\]",
+    "mask_blocks_dtype": r"buffer `mask_blocks` .* dtype int32; .* dtype uint8",
+    "mask_blocks_without_mask": r"buffer `mask_blocks` .*expected shape \[1, 1, 1, 0\]",
+    "mask_without_blocks": r"buffer `mask_blocks` has shape \[1, 1, 1, 0\]",
+    "tf32_vt_shape": r"buffer `tf32_vt` has shape \[2, 2, 1472\] .*expected shape \[2, 2, 1536\]",
+    "tf32_vt_without_tf32": r"buffer `tf32_vt` .*expected shape \[2, 2, 5024\]",
+}
+
+
+@pytest.mark.parametrize("problem", list(RAW_BUFFER_PROBLEMS))
 def test_raw_target_rejects_inconsistent_buffers(problem):
     """Calling the custom call directly with bad buffers is an error, never a crash or a bad write."""
     q, k, v = _inputs()
@@ -169,7 +184,7 @@ def test_raw_target_rejects_inconsistent_buffers(problem):
         workspace_shape, allow_tf32 = (2, 2, 64 * 23), True
     elif problem == "tf32_vt_without_tf32":  # without allow_tf32 a workspace is the split-TF32 one: wrong size
         workspace_shape = (2, 2, 64 * 24)
-    with pytest.raises(Exception, match="jax_flash"):
+    with pytest.raises(Exception, match=RAW_BUFFER_PROBLEMS[problem]):
         jax.block_until_ready(_raw_forward(q, k, v, o_shape, lse_shape, masks, dense, workspace_shape, allow_tf32))
 
 
@@ -272,10 +287,10 @@ def test_split_tf32_workspace_by_form(monkeypatch, forms, kwargs, expected):
 
 BAD_ARGUMENTS = [
     (dict(q=jnp.zeros((2, 3, 4))), ValueError, "q must have rank 4"),
-    (dict(k=jnp.zeros((2, 23, 2, 16), jnp.bfloat16)), TypeError, "share one dtype"),
+    (dict(k=jnp.zeros((2, 23, 2, 16), jnp.bfloat16)), TypeError, "q, k and v must share one dtype"),
     (dict(q=jnp.zeros((2, 19, 4, 16), jnp.int32)), TypeError, "q must be float32"),
-    (dict(k=jnp.zeros((2, 23, 2, 8)), v=jnp.zeros((2, 23, 2, 8))), ValueError, "head_dim"),
-    (dict(k=jnp.zeros((2, 23, 3, 16)), v=jnp.zeros((2, 23, 3, 16))), ValueError, "multiple"),
+    (dict(k=jnp.zeros((2, 23, 2, 8)), v=jnp.zeros((2, 23, 2, 8))), ValueError, "q and k must have the same head_dim"),
+    (dict(k=jnp.zeros((2, 23, 3, 16)), v=jnp.zeros((2, 23, 3, 16))), ValueError, r"query heads \(4, q.shape\[2\]\) must be a positive multiple"),
     (dict(v=jnp.zeros((2, 22, 2, 16))), ValueError, "k and v must have the same shape"),
     (dict(window_size=(-2, 3)), ValueError, "window_size"),
     (dict(window_size=5), TypeError, "window_size"),

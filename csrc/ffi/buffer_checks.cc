@@ -14,6 +14,26 @@ std::string format_dims(ffi::Span<const int64_t> dims) {
   return out.str();
 }
 
+// A buffer type as JAX spells the dtype (what the caller passed), else XLA's type code.
+std::string dtype_name(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    default: return "type code " + std::to_string(static_cast<int>(type));
+  }
+}
+
 std::vector<int64_t> batch_prefix(const ffi::AnyBuffer& tensor) {
   const auto dims = tensor.dimensions();
   return std::vector<int64_t>(dims.begin(), dims.end() - 3);
@@ -28,10 +48,10 @@ std::optional<ffi::Error> expect_buffer(const char* name, const ffi::AnyBuffer& 
   const bool same_dims = std::vector<int64_t>(dims.begin(), dims.end()) == expected;
   if (buffer.element_type() == type && same_dims) return std::nullopt;
   std::ostringstream message;
-  message << "jax_flash: buffer `" << name << "` has shape " << format_dims(dims) << " and type code "
-          << static_cast<int>(buffer.element_type()) << "; expected shape "
-          << format_dims(ffi::Span<const int64_t>(expected.data(), expected.size())) << " and type code "
-          << static_cast<int>(type);
+  message << "jax_flash: buffer `" << name << "` has shape " << format_dims(dims) << " and dtype "
+          << dtype_name(buffer.element_type()) << "; expected shape "
+          << format_dims(ffi::Span<const int64_t>(expected.data(), expected.size())) << " and dtype "
+          << dtype_name(type);
   return ffi::Error::InvalidArgument(message.str());
 }
 
@@ -63,11 +83,11 @@ std::optional<ffi::Error> expect_broadcastable(const char* name, const ffi::AnyB
   }
   if (!ok) {
     std::ostringstream message;
-    message << "jax_flash: buffer `" << name << "` has shape " << format_dims(dims) << " and type code "
-            << static_cast<int>(buffer.element_type()) << "; expected the vmap axes "
+    message << "jax_flash: buffer `" << name << "` has shape " << format_dims(dims) << " and dtype "
+            << dtype_name(buffer.element_type()) << "; expected the vmap axes "
             << format_dims(ffi::Span<const int64_t>(vmap_dims.data(), vmap_dims.size()))
             << " followed by four axes broadcastable to "
-            << format_dims(ffi::Span<const int64_t>(full, 4)) << ", type code " << static_cast<int>(type);
+            << format_dims(ffi::Span<const int64_t>(full, 4)) << ", dtype " << dtype_name(type);
     return ffi::Error::InvalidArgument(message.str());
   }
   *strides = {stride, axis_strides[0], axis_strides[1], axis_strides[2], axis_strides[3]};

@@ -17,6 +17,7 @@ namespace ffi = xla::ffi;
 
 // "[2, 3, 4]", for messages.
 std::string format_dims(ffi::Span<const int64_t> dims);
+std::string dtype_name(ffi::DataType type);
 
 // The leading (batch) axes of a rank >= 4 tensor; vmap folds into them.
 std::vector<int64_t> batch_prefix(const ffi::AnyBuffer& tensor);
