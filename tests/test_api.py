@@ -69,7 +69,9 @@ def test_nested_vmap_with_mask_operands():
     qq = jnp.stack([jnp.stack([q * (i + j + 1) for j in range(2)]) for i in range(3)])
     f = lambda q_: jax_flash.attention(q_, k, v, kv_seqlens=seqlens, alibi_slopes=jnp.ones(4) * 0.2)
     out = jax.vmap(jax.vmap(f))(qq)
-    np.testing.assert_allclose(np.asarray(out[2, 1]), np.asarray(f(qq[2, 1])), atol=1e-6)
+    for i in range(3):
+        for j in range(2):
+            np.testing.assert_allclose(np.asarray(out[i, j]), np.asarray(f(qq[i, j])), atol=1e-6)
 
 
 def test_eval_shape_runs_nothing():

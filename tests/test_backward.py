@@ -190,7 +190,12 @@ def test_a_dq_accum_workspace_of_the_wrong_size_is_an_error_naming_it():
         backward((0,), (8,))
 
     # Under vmap the mapped axis is prepended to the workspace like to every result.
-    stacked = [jnp.stack([x, x]) for x in (q, k, v)]
-    vmapped = jax.vmap(lambda *a: grads(*a, jnp.ones_like(a[0])))(*stacked)
-    for got, want in zip(vmapped, grads(q, k, v, jnp.ones_like(q))):
-        np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    # Two different examples and a random cotangent, so that mixed-up examples would show.
+    stacked = [jnp.stack([x, (2 * x).astype(x.dtype)]) for x in (q, k, v)]
+    d_o = jnp.stack([jax.random.normal(jax.random.key(i + 7), q.shape, q.dtype) for i in range(2)])
+    vmapped = jax.vmap(grads)(*stacked, d_o)
+    for example in range(2):
+        wanted = grads(*(x[example] for x in stacked), d_o[example])
+        for got, want in zip(vmapped, wanted):
+            np.testing.assert_array_equal(np.asarray(got[example].astype(jnp.float32)),
+                                          np.asarray(want.astype(jnp.float32)))
