@@ -110,6 +110,33 @@ def test_dropout_mask_is_bit_identical_to_the_generator(rate, seqlen_q, seqlen_k
     np.testing.assert_array_equal(kept, expected)
 
 
+# Philox-4x32-10 known-answer vectors of its authors' Random123 distribution (kat_vectors): (counter, key, output).
+PHILOX_KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KNOWN_ANSWERS)
+def test_philox_matches_the_known_answers(counter, key, expected):
+    """The generator the kernels are checked against (test_dropout_mask_is_bit_identical_to_the_generator) is
+    Philox-4x32-10 itself, not merely self-consistent."""
+    words = _dropout.philox4x32_10(tuple(jnp.uint32(c) for c in counter), tuple(jnp.uint32(k) for k in key))
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_dropout_masks_differ_between_heads_and_batch_rows():
+    """Each head (counter word 3) and batch row (key) draws its own mask: at rate 0.5 two masks agree on about half
+    of the elements, where a counter or key that ignored the head or row would make them equal."""
+    seeds = _dropout.seeds_from_key(jax.random.key(9), 2)
+    keep = np.asarray(_dropout.keep_mask(seeds, 0.5, 3, 48, 96))
+    for a, b in [((0, 0), (0, 1)), ((0, 0), (0, 2)), ((0, 1), (1, 1))]:
+        agreement = np.mean(keep[a] == keep[b])
+        assert 0.45 < agreement < 0.55, (a, b, agreement)
+
+
 @pytest.mark.parametrize("rate", (0.1, 0.3, 0.7))
 def test_dropout_keep_rate(rate):
     """Overall, and for each of the eight elements that share a Philox call (the row half i // 8 % 2, the column
