@@ -158,19 +158,30 @@ def oracle(q, k, v, **kwargs):
         return np.asarray(o), np.asarray(lse)
 
 
-def oracle_grads(q, k, v, d_o, **kwargs):
-    """Gradients of sum(o * d_o) of the float64 reference with respect to q, k, v."""
+def _loss(attend, d_o, d_lse, dtype):
+    """sum(o * d_o), plus sum(lse * d_lse) over the finite lse (rows that see a key) when d_lse is given."""
+    def loss(q_, k_, v_):
+        if d_lse is None:
+            return jnp.sum((attend(q_, k_, v_) * d_o).astype(dtype))
+        o, lse = attend(q_, k_, v_, return_lse=True)
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(dtype) * d_lse)
+        return jnp.sum((o * d_o).astype(dtype)) + lse_term
+    return loss
+
+
+def oracle_grads(q, k, v, d_o, d_lse=None, **kwargs):
+    """Gradients of sum(o * d_o) (+ sum(lse * d_lse)) of the float64 reference with respect to q, k, v."""
     with jax.enable_x64(True):
         args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-        weights = jnp.asarray(d_o, jnp.float64)
-        loss = lambda q_, k_, v_: jnp.sum(jax_flash.attention(q_, k_, v_, implementation="xla", **kwargs) * weights)
+        attend = lambda *a, **kw: jax_flash.attention(*a, implementation="xla", **kwargs, **kw)  # noqa: E731
+        loss = _loss(attend, jnp.asarray(d_o, jnp.float64), None if d_lse is None else jnp.asarray(d_lse, jnp.float64),
+                     jnp.float64)
         return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(*args)]
 
 
-def grads(q, k, v, d_o, implementation=None, **kwargs):
-    loss = lambda q_, k_, v_: jnp.sum(
-        (jax_flash.attention(q_, k_, v_, implementation=implementation, **kwargs) * d_o).astype(jnp.float32))
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+def grads(q, k, v, d_o, implementation=None, d_lse=None, **kwargs):
+    attend = lambda *a, **kw: jax_flash.attention(*a, implementation=implementation, **kwargs, **kw)  # noqa: E731
+    return jax.grad(_loss(attend, d_o, d_lse, jnp.float32), argnums=(0, 1, 2))(q, k, v)
 
 
 def bit_identical_runs(compute_grads, runs: int = 3) -> list:

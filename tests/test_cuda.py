@@ -293,12 +293,15 @@ def test_forcing_sm90_on_an_unsupported_call_is_a_clear_error(monkeypatch):
 def check_gradients_on_gpu(case: Case, deterministic=False, **kwargs):
     q, k, v = case.inputs()
     d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32).astype(case.dtype)
+    # A cotangent for lse too (softmax_d = rowsum(dO * O) - dlse in every backward kernel).
+    d_lse = jax.random.normal(jax.random.key(case.seed + 98), (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
     _poison_gpu_memory()
-    ours = grads(*_on(GPUS[0], q, k, v, d_o), deterministic=deterministic, **kwargs_gpu)
-    cpu = grads(*_on(CPU, q, k, v, d_o), **kwargs)
-    xla = grads(*_on(CPU, q, k, v, d_o), implementation="xla", **kwargs)
-    reference = oracle_grads(q, k, v, d_o, **kwargs)
+    ours = grads(*_on(GPUS[0], q, k, v, d_o), d_lse=jax.device_put(d_lse, GPUS[0]), deterministic=deterministic,
+                 **kwargs_gpu)
+    cpu = grads(*_on(CPU, q, k, v, d_o), d_lse=jax.device_put(d_lse, CPU), **kwargs)
+    xla = grads(*_on(CPU, q, k, v, d_o), implementation="xla", d_lse=jax.device_put(d_lse, CPU), **kwargs)
+    reference = oracle_grads(q, k, v, d_o, d_lse=d_lse, **kwargs)
     for name, g, g_cpu, g_xla, g_ref in zip(("dq", "dk", "dv"), ours, cpu, xla, reference):
         assert_within_bound(name, g, g_xla, g_ref, case.dtype, scale=4.0)
         assert_within_bound(name + " vs CPU", g, g_xla, np.asarray(g_cpu.astype(jnp.float32)), case.dtype, scale=4.0)
@@ -386,7 +389,8 @@ def test_backward_sm90_long_sequences(feature, head_dim, monkeypatch):
     check_gradients_on_gpu(case, **feature_kwargs(feature, case))
 
 
-@pytest.mark.parametrize("feature", SM90_BACKWARD_FEATURES)
+# The transforms-form features have no d=256 kernel (they run on sm80 there): left out rather than always skipped.
+@pytest.mark.parametrize("feature", [f for f in SM90_BACKWARD_FEATURES if f not in SM90_TRANSFORMS_FEATURES])
 @pytest.mark.parametrize("heads", ((4, 4), (4, 1)), ids=("mha", "mqa"))
 @pytest.mark.parametrize("seqlens", ((40, 300), (300, 40), (333, 517)), ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_hdim256_features(feature, heads, seqlens, monkeypatch):
