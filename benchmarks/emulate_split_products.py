@@ -1,6 +1,6 @@
-"""Emulates, in numpy on the CPU, the attention backward's GEMMs with operands split into low-precision parts, and
-prints how far each scheme's dq / dk / dv land from a float64 reference (max |error| / max |reference|, the float32
-exact mode's 1e-5 criterion). For choosing a scheme before writing its kernel; no GPU involved.
+"""Emulates, in numpy on the CPU, the attention forward's and backward's GEMMs with operands split into low-precision
+parts, and prints how far each scheme's o / lse and dq / dk / dv land from a float64 reference (max |error| / max
+|reference|, the float32 exact mode's 1e-5 criterion). For choosing a scheme before writing its kernel; no GPU.
 
 Schemes (each GEMM's products summed in float64, then rounded to float32: the accumulator's own rounding is not
 modelled, so this is the operands' share of the error):
@@ -70,6 +70,26 @@ def matmul(a: np.ndarray, b: np.ndarray, scheme: str, a_bound: float | None = No
     return product.astype(np.float32)
 
 
+def forward(q, k, v, scale, causal, scheme):
+    """o, lse of one head under a scheme (float32 softmax; P scaled into float16's range by one constant, 2^14)."""
+    sq, sk = q.shape[0], k.shape[0]
+    if scheme == "float64":
+        q, k, v = (x.astype(np.float64) for x in (q, k, v))
+        mm = lambda a, b, **_: a @ b  # noqa: E731
+        dtype = np.float64
+    else:
+        mm = lambda a, b, **kw: matmul(a, b, scheme, **kw)  # noqa: E731
+        dtype = np.float32
+    s = (mm(q, k.T) * dtype(scale)).astype(dtype)
+    if causal:
+        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq), s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp(s - m).astype(dtype)
+    row_sum = p.sum(axis=1, keepdims=True)
+    o = (mm(p, v, a_bound=1.0) / row_sum).astype(dtype)
+    return o, (m + np.log(row_sum)).astype(dtype)
+
+
 def backward(q, k, v, d_o, scale, causal, scheme):
     """dq, dk, dv of one head under a scheme (float32 softmax and elementwise steps, as the kernels)."""
     sq, sk = q.shape[0], k.shape[0]
@@ -123,12 +143,17 @@ def main() -> None:
                         for x in (q, d_o, k, v))
     scale = 1.0 / np.sqrt(args.head_dim)
     reference = backward(q, k, v, d_o, scale, args.causal, "float64")
+    forward_reference = forward(q, k, v, scale, args.causal, "float64")
     print(f"sq={args.seqlen_q} sk={args.seqlen_k} d={args.head_dim} causal={args.causal} "
-          f"input scale {args.input_scale:g} row spread {args.row_spread:g}: max|error| / max|float64| of dq, dk, dv")
+          f"input scale {args.input_scale:g} row spread {args.row_spread:g}: max|error| / max|float64| of o, lse | "
+          "dq, dk, dv")
     for scheme in ("float32", "tf32", "tf32x3", "fp16x3"):
+        outputs = forward(q, k, v, scale, args.causal, scheme)
         grads = backward(q, k, v, d_o, scale, args.causal, scheme)
-        errors = [float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(grads, reference)]
-        print(f"  {scheme:7s} " + "  ".join(f"{e:.2e}" for e in errors))
+        errors = [float(np.abs(g - r).max() / np.abs(r).max())
+                  for g, r in zip((*outputs, *grads), (*forward_reference, *reference))]
+        print(f"  {scheme:7s} " + "  ".join(f"{e:.2e}" for e in errors[:2]) + " | "
+              + "  ".join(f"{e:.2e}" for e in errors[2:]))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,7 @@ def test_split_schemes_reach_float32_accuracy_where_one_tf32_product_does_not():
     assert errors["float32"] < 2e-6
     assert errors["tf32x3"] < 1e-5 and errors["fp16x3"] < 1e-5
     assert errors["tf32"] > 1e-4
+    o_ref, _ = emu.forward(q, k, v, 1 / np.sqrt(32), True, "float64")
+    o_errors = {scheme: float(np.abs(emu.forward(q, k, v, 1 / np.sqrt(32), True, scheme)[0] - o_ref).max()
+                              / np.abs(o_ref).max()) for scheme in ("tf32", "tf32x3", "fp16x3")}
+    assert o_errors["tf32x3"] < 1e-5 and o_errors["fp16x3"] < 1e-5 and o_errors["tf32"] > 1e-4
