@@ -70,19 +70,27 @@ def matmul(a: np.ndarray, b: np.ndarray, scheme: str, a_bound: float | None = No
     return product.astype(np.float32)
 
 
-def forward(q, k, v, scale, causal, scheme):
-    """o, lse of one head under a scheme (float32 softmax; P scaled into float16's range by one constant, 2^14)."""
-    sq, sk = q.shape[0], k.shape[0]
+def _scheme_ops(scheme):
+    """(matmul, dtype) of a scheme: ``float64``, the reference, multiplies exactly and keeps its softmax and
+    elementwise steps in float64; the others round each GEMM as ``matmul`` does and keep them in float32."""
     if scheme == "float64":
-        q, k, v = (x.astype(np.float64) for x in (q, k, v))
-        mm = lambda a, b, **_: a @ b  # noqa: E731
-        dtype = np.float64
-    else:
-        mm = lambda a, b, **kw: matmul(a, b, scheme, **kw)  # noqa: E731
-        dtype = np.float32
+        return (lambda a, b, **_: np.asarray(a, np.float64) @ np.asarray(b, np.float64)), np.float64
+    return (lambda a, b, **kw: matmul(a, b, scheme, **kw)), np.float32
+
+
+def _scores(q, k, scale, causal, mm, dtype):
+    """scale * q k^T, -inf above the bottom-right causal diagonal."""
+    sq, sk = q.shape[0], k.shape[0]
     s = (mm(q, k.T) * dtype(scale)).astype(dtype)
     if causal:
         s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq), s, -np.inf)
+    return s
+
+
+def forward(q, k, v, scale, causal, scheme):
+    """o, lse of one head under a scheme (float32 softmax; P scaled into float16's range by one constant, 2^14)."""
+    mm, dtype = _scheme_ops(scheme)
+    s = _scores(q, k, scale, causal, mm, dtype)
     m = s.max(axis=1, keepdims=True)
     p = np.exp(s - m).astype(dtype)
     row_sum = p.sum(axis=1, keepdims=True)
@@ -92,25 +100,10 @@ def forward(q, k, v, scale, causal, scheme):
 
 def backward(q, k, v, d_o, scale, causal, scheme):
     """dq, dk, dv of one head under a scheme (float32 softmax and elementwise steps, as the kernels)."""
-    sq, sk = q.shape[0], k.shape[0]
-    if scheme == "float64":
-        q, k, v, d_o = (x.astype(np.float64) for x in (q, k, v, d_o))
-        mm = lambda a, b, **_: a @ b  # noqa: E731
-        dtype = np.float64
-    else:
-        mm = lambda a, b, **kw: matmul(a, b, scheme, **kw)  # noqa: E731
-        dtype = np.float32
-    s = (mm(q, k.T) * dtype(scale)).astype(dtype)
-    if causal:
-        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-        s = np.where(keep, s, -np.inf)
-    # lse and o from a float64 forward: the backward's inputs, not what is being measured.
-    s64 = (q.astype(np.float64) @ k.T.astype(np.float64)) * scale
-    if causal:
-        s64 = np.where(keep, s64, -np.inf)
-    m = s64.max(axis=1, keepdims=True)
-    lse = (m + np.log(np.exp(s64 - m).sum(axis=1, keepdims=True))).astype(dtype)
-    o = (np.exp(s64 - lse.astype(np.float64)) @ v.astype(np.float64)).astype(dtype)
+    mm, dtype = _scheme_ops(scheme)
+    s = _scores(q, k, scale, causal, mm, dtype)
+    # o and lse from the float64 forward: the backward's inputs, not what is being measured.
+    o, lse = (x.astype(dtype) for x in forward(q, k, v, scale, causal, "float64"))
     p = np.exp(s - lse).astype(dtype)
     dp = mm(d_o, v.T)
     d = (d_o.astype(dtype) * o).sum(axis=1, keepdims=True).astype(dtype)
