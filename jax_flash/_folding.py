@@ -43,9 +43,9 @@ def fold_dense(axis_size: int, batch: int, in_batched: DenseOperands, dense: Den
     """Bias and mask by ``_fold_broadcastable`` (``batch``: the batch axis of ``q`` itself), seeds like the rest."""
     broadcastable = functools.partial(_fold_broadcastable, axis_size=axis_size, batch=batch)
     # in_batched holds vmap's batched flags (bools) in DenseOperands' shape.
-    batched = [cast(bool, flag) for flag in in_batched]
-    return DenseOperands(broadcastable(dense.bias, batched[0]), broadcastable(dense.mask, batched[1]),
-                         fold(dense.dropout_seeds, batched[2], axis_size))
+    bias_batched, mask_batched, seeds_batched = (cast(bool, flag) for flag in in_batched)
+    return DenseOperands(broadcastable(dense.bias, bias_batched), broadcastable(dense.mask, mask_batched),
+                         fold(dense.dropout_seeds, seeds_batched, axis_size))
 
 
 def unfold_dbias(dbias: jax.Array, bias: jax.Array, batched: bool, axis_size: int) -> tuple[jax.Array, bool]:
