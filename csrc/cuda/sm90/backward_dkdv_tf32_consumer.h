@@ -98,6 +98,9 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
   Tensor acc_dkt = partition_fragment_C(mma_dkvt, Shape<Int<kHeadDim>, _64>{});
   clear(acc_dvt);
   clear(acc_dkt);
+  // Split TF32: each item's dV^T, then its dK^T, sums into `partial` first (split_tf32_mma.h add_partial_sums says
+  // why); elsewhere unused.
+  Tensor partial = partition_fragment_C(mma_dkvt, Shape<Int<kHeadDim>, _64>{});
   Tensor coords = sm80::as_rows_cols(
       sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
@@ -139,7 +142,8 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     fence_stores_for_async_proxy();
     load_operand_parts<kSplit>(smem_dot(_, _, _, stage), smem_dot_lo(_, _, _, stage), regs_a, regs_a_lo);
     barrier(kTf32ProbsStored);
-    issue_wgmma_parts<false, kSplit>(mma_dkvt, regs_a, regs_a_lo, frag_p, frag_p_lo, acc_dvt);
+    issue_wgmma_parts<kSplit, kSplit>(mma_dkvt, regs_a, regs_a_lo, frag_p, frag_p_lo,
+                                      gemm_target<kSplit>(acc_dvt, partial));
 
     warpgroup_wait<1>();  // dP^T is ready (issued before dV^T's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
@@ -147,9 +151,11 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     store_operand_parts<kSplit>(acc_dp, thr_sdp.partition_C(sdS), thr_sdp.partition_C(sdS_lo));
     fence_stores_for_async_proxy();
     warpgroup_wait<0>();  // dV^T has read regs_a: it takes Q^T now
+    if constexpr (kSplit) add_partial_sums(acc_dvt, partial);
     load_operand_parts<kSplit>(smem_qt(_, _, _, stage), smem_qt_lo(_, _, _, stage), regs_a, regs_a_lo);
     barrier(kTf32ScoreGradsStored);
-    issue_wgmma_parts<false, kSplit>(mma_dkvt, regs_a, regs_a_lo, frag_ds, frag_ds_lo, acc_dkt);
+    issue_wgmma_parts<kSplit, kSplit>(mma_dkvt, regs_a, regs_a_lo, frag_ds, frag_ds_lo,
+                                      gemm_target<kSplit>(acc_dkt, partial));
     // Both stages go back only now that this thread's loads from them have landed (as in the dQ pass: an arrive
     // does not wait for earlier loads): Q^T is in the registers dK^T was issued with, and the row stats are in dS,
     // stored before the barrier above. S^T and dP^T have retired.
@@ -159,6 +165,7 @@ __device__ __forceinline__ void consume_query_tiles_tf32(const AttentionBackward
     // wait<1>), it made ptxas serialise every WGMMA of the kernel (C7515: it cannot follow a WGMMA in flight across
     // the loop's back edge, as the 16-bit consumers never leave one).
     warpgroup_wait<0>();
+    if constexpr (kSplit) add_partial_sums(acc_dkt, partial);
     ++read;
   }
   warpgroup_wait<0>();

@@ -83,6 +83,10 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
 
   Tensor acc_dqt = partition_fragment_C(mma_dqt, Shape<Int<kHeadDim>, _64>{});
   clear(acc_dqt);
+  // Split TF32: each key tile's dQ^T sums into `partial`, added to acc_dqt once it has retired (under the next
+  // tile's S and dP; split_tf32_mma.h add_partial_sums says why); elsewhere unused. Cleared for the first add.
+  Tensor partial = partition_fragment_C(mma_dqt, Shape<Int<kHeadDim>, _64>{});
+  if constexpr (kSplit) clear(partial);
   Tensor coords = sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   sm80::RowStats<kRows> stats;
@@ -112,6 +116,7 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ^T GEMM have retired
     warpgroup_fence_operand(acc_s);
     warpgroup_fence_operand(acc_dp);
+    if constexpr (kSplit) add_partial_sums(acc_dqt, partial);  // the previous tile's dQ^T
 
     const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
     auto s_view = sm80_view(acc_s);
@@ -128,7 +133,8 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     fence_stores_for_async_proxy();
     load_operand_parts<kSplit>(smem_kt(_, _, _, stage), smem_kt_lo(_, _, _, stage), regs_kt, regs_kt_lo);
     barrier(kTf32DqScoreGradsStored);
-    issue_wgmma_parts<false, kSplit>(mma_dqt, regs_kt, regs_kt_lo, frag_ds, frag_ds_lo, acc_dqt);
+    issue_wgmma_parts<kSplit, kSplit>(mma_dqt, regs_kt, regs_kt_lo, frag_ds, frag_ds_lo,
+                                      gemm_target<kSplit>(acc_dqt, partial));
     // The stage goes back only now. S and dP have retired, and the K^T loads have landed: the WGMMA above could not
     // issue before its registers held them. Released right after the loads, the arrive does not wait for them (it
     // did not in the SASS), so the last warpgroup to release raced the producer's refill of the stage and read
@@ -137,6 +143,7 @@ __device__ __forceinline__ void consume_key_tiles_tf32(const AttentionBackwardPa
     ++read;
   }
   warpgroup_wait<0>();
+  if constexpr (kSplit) add_partial_sums(acc_dqt, partial);  // the last tile's dQ^T
   warpgroup_fence_operand(acc_dqt);
 
   // Epilogue: dQ carries the softmax scale; staged as float32 in this warpgroup's own rows of Q (its S GEMMs read
