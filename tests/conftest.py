@@ -31,3 +31,14 @@ def _cpu_by_default(request):
 
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+def pytest_runtest_logreport(report):
+    """With JAX_FLASH_FAILURE_LOG set (csrc/cuda/tests/device_run.sh), each failure's traceback is appended to that
+    file as it happens: a run cut off by its time limit never prints its failure summary, and without the tracebacks
+    a failure says nothing of its size. Written by the controlling process only (xdist workers forward reports)."""
+    path = os.environ.get("JAX_FLASH_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -18,7 +18,8 @@
 #                sm90 dense form (the default) per-tile and persistent (3 CTAs), and the three sanitizers on `--small`
 #                both ways (bench_cuda's padding-mask row times that forward both ways)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
-#                (verbose: each result is listed as it happens, so a timed-out run still names its failures)
+#                (verbose: each result is listed as it happens, so a timed-out run still names its failures; their
+#                tracebacks go to pytest_failures.log as they happen, tests/conftest.py)
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
@@ -313,9 +314,11 @@ run_stage() {
     # pytest runs from outside the checkout, so that `import jax_flash` finds the installed package.
     # pytest_files: the test files $PYTEST_FILES (paths from the repository root), e.g. the platform-neutral suites,
     # on the GPU (JAX_FLASH_TEST_PLATFORM=gpu: without it tests/conftest.py places their arrays on the CPU).
-    pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+    pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu JAX_FLASH_FAILURE_LOG="$out/pytest_files_failures.log" \
+                   stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
                     $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
-    pytest) (cd /tmp && stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+    pytest) (cd /tmp && stage pytest 300 env JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" \
+              python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
