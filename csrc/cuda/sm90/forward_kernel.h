@@ -382,6 +382,12 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
 
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
   clear(acc_o);
+  // Split TF32 at d=64: each key tile's P V sums in `partial` first, added to acc_o in float32 (split_tf32_mma.h
+  // add_partial_sums says why). Not at d=128, whose lone consumer has no 64 registers to spare (255 of 256): its
+  // P V accumulates in acc_o over every key tile (benchmarks/emulate_split_products.py: ~8e-6 of max|O| at 16k keys;
+  // NOTES, thirty-sixth session). Elsewhere `partial` is unused.
+  constexpr bool kTilePartials = kSplit && Traits::kHeadDim == 64;
+  Tensor partial = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
   Tensor coords = sm80_view(thr_mma_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   OnlineSoftmax<kRows> softmax;
@@ -529,8 +535,8 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     pipeline_v.consumer_wait(previous);
     {
       const int stage = warp_uniform(previous.index());
-      issue_wgmma_parts<false, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
-                                       frag_vt_lo(_, _, _, stage), acc_o);
+      issue_wgmma_parts<kTilePartials, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
+                                               frag_vt_lo(_, _, _, stage), gemm_target<kTilePartials>(acc_o, partial));
     }
     pass_turn(false);
     warpgroup_wait<1>();  // S is ready; P V may still run
@@ -539,6 +545,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
     warpgroup_wait<0>();  // P V retired: its V stage and the probability registers are free
     pipeline_v.consumer_release(previous);
+    if constexpr (kTilePartials) add_partial_sums(acc_o, partial);
     softmax.rescale(sm80::as_rows_cols(sm80_view(acc_o)), correction);
     convert_probs();
     previous = read;
@@ -552,13 +559,14 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   pipeline_v.consumer_wait(previous);
   {
     const int stage = warp_uniform(previous.index());
-    issue_wgmma_parts<false, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
-                                     frag_vt_lo(_, _, _, stage), acc_o);
+    issue_wgmma_parts<kTilePartials, kSplit>(mma_o, probs_operand, probs_lo_operand, frag_vt(_, _, _, stage),
+                                             frag_vt_lo(_, _, _, stage), gemm_target<kTilePartials>(acc_o, partial));
   }
   pass_turn(true);
   if (group == last_group) progress.turn_passed = !last_tile;
   warpgroup_wait<0>();
   pipeline_v.consumer_release(previous);
+  if constexpr (kTilePartials) add_partial_sums(acc_o, partial);
 
   // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of the O buffer (or of Q's buffer, whose
   // Q K^T GEMMs have retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane
