@@ -103,6 +103,15 @@ struct ScoreTile {
   template <bool kCheckMask, class Acc, class Coords, class OnVisible = IgnoreVisible, class OnHidden = IgnoreHidden>
   __device__ void apply(Acc& acc, Coords const& coords, int64_t row0, int64_t col0, OnVisible on_visible = {},
                         OnHidden on_hidden = {}) const {
+    apply_inlined<kCheckMask>(acc, coords, row0, col0, on_visible, on_hidden);
+  }
+  // apply, always inlined. Left to the compiler, the general form's two loop copies made apply a called function
+  // in the Hopper bf16 dense forward, so its score accumulator went through local memory, and ptxas serialised
+  // that kernel's WGMMAs at d=128 (C7514: accumulator registers read inside the pipeline stage). Callers whose
+  // accumulator is a WGMMA's use this; the mma.sync kernels keep apply as the compiler chooses.
+  template <bool kCheckMask, class Acc, class Coords, class OnVisible = IgnoreVisible, class OnHidden = IgnoreHidden>
+  __device__ __forceinline__ void apply_inlined(Acc& acc, Coords const& coords, int64_t row0, int64_t col0,
+                                                OnVisible on_visible = {}, OnHidden on_hidden = {}) const {
     if constexpr (kGeneral && kUnswitchSoftcap) {
       if (softcap > 0.0f) {
         apply_unswitched<kCheckMask, Softcap::kOn>(acc, coords, row0, col0, on_visible, on_hidden);

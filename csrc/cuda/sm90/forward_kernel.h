@@ -432,8 +432,11 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   };
 
   // Scores of tile n_block in place: raw dots -> masked / transformed scores, reading bias and mask elements where
-  // `reads` (a std::bool_constant) says so.
-  auto score_with = [&](auto reads, auto& acc_s, int n_block, bool read_boolean_mask) {
+  // `reads` (a std::bool_constant) says so. This lambda, `score` and the scorer's apply are inlined by force: the
+  // bf16 dense form's reading scorer (two copies of its loop) was otherwise a called function, acc_s went through
+  // local memory (a 640-byte stack frame at d=128), and ptxas serialised every WGMMA of that kernel (C7514).
+  auto score_with = [&](auto reads, auto& acc_s, int n_block, bool read_boolean_mask)
+                        __attribute__((always_inline)) {
     using Scorer = sm80::ScoreTile<transforms_scores(kVariant), decltype(reads)::value, true>;
     auto view = sm80_view(acc_s);
     // The scorer is built where it is used: ahead of the branch, its slice-mask arithmetic (sequence lengths,
@@ -442,17 +445,17 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     auto scorer = [&] { return Scorer::make(p, rb.batch, rb.head, read_boolean_mask); };
     if (n_block >= rb.interior.begin && n_block < rb.interior.end) {
       if constexpr (transforms_scores(kVariant)) {
-        scorer().template apply<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
+        scorer().template apply_inlined<false>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
       }
     } else {
-      scorer().template apply<true>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
+      scorer().template apply_inlined<true>(view, coords, rb.m0, int64_t(n_block) * kBlockN);
     }
   };
   // The dense form splits the tiles in two. One that reads bias or mask elements first waits for the P V GEMM in
   // flight: while it runs, its operand (the probabilities) and acc_o leave a handful of registers beside acc_s, and
   // the element loads spilled (ptxas, d=128: 426 bytes per thread without the wait, 174 with it). The others (no
   // bias, mask blocks all visible) take the transforms form's scorer and keep the overlap.
-  auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) {
+  auto score = [&](auto& acc_s, int n_block, bool read_boolean_mask) __attribute__((always_inline)) {
     if constexpr (reads_bias_or_mask(kVariant)) {
       if (p.bias != nullptr || read_boolean_mask) {
         warpgroup_wait<0>();
