@@ -115,14 +115,14 @@ __device__ __forceinline__ void load_operand_parts(SrcHi const& hi, SrcLo const&
   }
 }
 
-// Split TF32's GEMMs whose K runs over the whole sequence (dK, dV over the queries, dQ over the keys) sum each
-// item's (or key tile's) products in `partial`, a fresh accumulator, and add it to the running total here with
-// float32 adds, which round to nearest. Accumulating in the tensor cores instead adds every k-step's products into
-// the float32 accumulator with a rounding toward zero (Fasi et al., "Numerical behavior of NVIDIA tensor cores",
-// 2021, measured this truncation on V100 to A100), each losing up to an ulp of the total in the same direction:
-// after the few hundred WGMMAs of a 1000-query key block the total is ~1e-5 low, past the exact mode's bound
-// (benchmarks/emulate_split_products.py --accumulate models both; NOTES, thirty-sixth session, has the failing
-// H200 cases this explains). Within an item the chain is short and the partial small.
+// Split TF32's GEMMs whose K runs over the whole sequence (dK, dV over the queries, dQ and the d=64 forward's P V
+// over the keys) sum each item's (or key tile's) products in `partial`, a fresh accumulator, and add it to the
+// running total here with float32 adds, which round to nearest. Accumulating in the tensor cores instead adds every
+// k-step's products into the float32 accumulator with a rounding toward zero (Fasi et al., "Numerical behavior of
+// NVIDIA tensor cores", 2021, measured this truncation on V100 to A100), each losing up to an ulp of the total in
+// the same direction: after the few hundred WGMMAs of a 1000-query key block the total is ~1e-5 low, past the exact
+// mode's bound (benchmarks/emulate_split_products.py --accumulate models both; NOTES, thirty-sixth session, has the
+// failing H200 cases this explains). Within an item the chain is short and the partial small.
 template <class Total, class Partial>
 __device__ __forceinline__ void add_partial_sums(Total& total, Partial& partial) {
   cute::warpgroup_fence_operand(partial);  // read after the WGMMA that wrote it has retired
