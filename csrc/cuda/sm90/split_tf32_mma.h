@@ -130,11 +130,11 @@ __device__ __forceinline__ void add_partial_sums(Total& total, Partial& partial)
   for (int i = 0; i < cute::size(total); ++i) total(i) += partial(i);
 }
 
-// Where an item's split-TF32 GEMM accumulates: `partial` (added to the total afterwards, add_partial_sums) with
-// kSplit, else the total itself.
-template <bool kSplit, class Acc>
+// Where an item's GEMM accumulates: with kPartials `partial` (zero-initialised by the GEMM, added to the total
+// afterwards by add_partial_sums), else the total itself.
+template <bool kPartials, class Acc>
 __device__ __forceinline__ Acc& gemm_target(Acc& total, Acc& partial) {
-  if constexpr (kSplit) {
+  if constexpr (kPartials) {
     return partial;
   } else {
     return total;

@@ -317,8 +317,8 @@ run_stage() {
     pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu JAX_FLASH_FAILURE_LOG="$out/pytest_files_failures.log" \
                    stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
                     $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
-    pytest) (cd /tmp && stage pytest 300 env JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" \
-              python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
+    pytest) (cd /tmp && JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" \
+              stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
