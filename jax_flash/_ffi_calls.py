@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jax_flash import _gqa_packing, _kv_split, _mask_blocks
+from jax_flash import _gqa_packing, _half_operands, _kv_split, _mask_blocks
 from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig, switch_on
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
@@ -266,6 +266,29 @@ def dkdv_tail_shape(k: jax.Array) -> tuple[int]:
     return (min(blocks, _DKDV_TAIL_MAX_SLOTS) * _DKDV_TAIL_SLOT_FLOATS,)
 
 
+HALF_OPERANDS_BACKWARD_ENV = "JAX_FLASH_SM90_TF32_BACKWARD_FP16"
+
+# The head dims of the 16-bit Hopper backward's fused-dQ kernels built with float32 gradients (csrc/cuda/
+# generate_instantiations.py SM90_FLOAT32_GRADIENT_HEAD_DIMS): a call runs on the smallest that holds it.
+_HALF_OPERANDS_HEAD_DIMS = (64, 128)
+
+
+def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                                 dense: DenseOperands) -> bool:
+    """Whether a float32 backward in the TF32 mode runs on float16 operands scaled by powers of two
+    (``_half_operands``: TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients):
+    ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default: not yet run on a
+    GPU), and what the 16-bit Hopper backward's fused-dQ common form takes: head_dim a multiple of 8 from 64 to 128,
+    no bias, mask, dropout, softcap or ALiBi, a positive scale, not deterministic, non-empty sequences. On the GPU
+    that kernel needs compute capability 9.x (elsewhere the call fails with the handler's error); on the CPU the
+    reference handler runs the same scaled float16 operands."""
+    head_dim = q.shape[-1]
+    return (q.dtype == jnp.float32 and config.allow_tf32 and switch_on(HALF_OPERANDS_BACKWARD_ENV, default=False)
+            and head_dim % 8 == 0 and _HALF_OPERANDS_HEAD_DIMS[0] <= head_dim <= _HALF_OPERANDS_HEAD_DIMS[-1]
+            and config.dropout_rate == 0 and not config.deterministic and _is_common_form(masks, config, dense)
+            and q.shape[-3] > 0 and k.shape[-3] > 0)  # TMA descriptors need data
+
+
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
              d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands | None = None,
              want_dbias: bool = False) -> tuple[jax.Array, ...]:
@@ -276,9 +299,24 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row), ``dq_accum``, in which the
     backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``), and with it
     ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise. On a float32 call ``dq_accum`` is instead
-    the split-TF32 workspace where ``_uses_split_tf32_backward_workspace``.
+    the split-TF32 workspace where ``_uses_split_tf32_backward_workspace``. Float32 calls in the TF32 mode may run
+    on scaled float16 operands instead (``_uses_half_operands_backward``).
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
+    if _uses_half_operands_backward(q, k, masks, config, dense):  # never with a bias, so never want_dbias
+        def call(*operands: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            dq, dk, dv, _ = _backward_call(*operands, masks, config, dense, False, jnp.float32)
+            return dq, dk, dv
+        return _half_operands.backward(call, q, k, v, o, lse, d_o, d_lse)
+    dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias, q.dtype)
+    return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)
+
+
+def _backward_call(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
+                   d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands,
+                   want_dbias: bool, gradient_dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+    """The backward custom call: ``(dq, dk, dv, dbias)``, the gradients of ``gradient_dtype`` (q's, or float32
+    for float16 operands), dbias a placeholder unless ``want_dbias``."""
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)
     fused_dq = _uses_fused_dq(q, masks, config, dense)
     dq_accum: jax.ShapeDtypeStruct | jax.core.ShapedArray
@@ -289,9 +327,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     else:
         dq_accum = jax.ShapeDtypeStruct((0,), jnp.float32)
     results = (
-        _result(q, q.shape, q.dtype),
-        _result(k, k.shape, k.dtype),
-        _result(v, v.shape, v.dtype),
+        _result(q, q.shape, gradient_dtype),
+        _result(k, k.shape, gradient_dtype),
+        _result(v, v.shape, gradient_dtype),
         _result(q, lse_shape(q), jnp.float32, dims=_LSE_DIMS),
         dq_accum,
         # Sharded like k's head dim, which no mesh axis splits: every device gets whole slots.
@@ -303,4 +341,4 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     dq, dk, dv, _, _, _, dbias = call(q, k, v, o, lse, d_o.astype(q.dtype), d_lse.astype(jnp.float32), *masks,
                                       *_dense_arguments(dense), **_score_attributes(config),
                                       deterministic=bool(config.deterministic))
-    return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)
+    return dq, dk, dv, dbias

@@ -1146,6 +1146,35 @@ def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkey
     check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
 
 
+# The TF32 mode's backward on scaled float16 operands (JAX_FLASH_SM90_TF32_BACKWARD_FP16=1, jax_flash/_half_operands.py:
+# the 16-bit Hopper backward's fused-dQ common form with float32 gradients) must meet the TF32 bound, gradients with
+# an lse cotangent included. The handler has no fallback for such a call (an error where that kernel cannot run it),
+# so a pass shows it computed these gradients. Head dims: the d=64 and d=128 kernels, 72 and 96 padded to 128.
+@pytest.mark.parametrize("head_dim", (64, 128, 72, 96), ids=lambda d: f"d{d}")
+@HOPPER_FLOAT32_SHAPES
+def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, feature, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 2)
+    check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
+    q, k, v = case.inputs()
+    d_o = jax.random.normal(jax.random.key(case.seed + 99), q.shape, jnp.float32)
+    d_lse = jax.random.normal(jax.random.key(case.seed + 98), (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    kwargs = feature_kwargs(feature, case)
+    kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
+    _poison_gpu_memory()
+    ours = grads(*_on(GPUS[0], q, k, v, d_o), d_lse=jax.device_put(d_lse, GPUS[0]), **kwargs_gpu)
+    with jax.default_matmul_precision("tensorfloat32"):
+        xla = grads(*_on(GPUS[0], q, k, v, d_o), implementation="xla", d_lse=jax.device_put(d_lse, GPUS[0]),
+                    **kwargs_gpu)
+    for name, g, g_xla, reference in zip(("dq", "dk", "dv"), ours, xla, oracle_grads(q, k, v, d_o, d_lse=d_lse,
+                                                                                       **kwargs)):
+        assert g.dtype == jnp.float32
+        assert_within_tf32_bound(name + " with dlse", g, g_xla, reference, scale=4.0)
+
+
 # The split-TF32 forward (float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32=1: each operand as two TF32
 # parts, three TF32 WGMMAs per GEMM; csrc/common/tf32_workspace.h) must meet the exact mode's bound. Forcing sm90
 # (JAX_FLASH_CUDA_KERNEL_F32) makes a call it cannot run an error, so a pass shows the split kernel computed it.

@@ -103,9 +103,9 @@ struct AttentionParams {
 struct AttentionBackwardParams : AttentionParams {
   const void* d_o = nullptr;       // like o
   const float* d_lse = nullptr;    // like lse: cotangent of the lse output (zeros when lse is not used)
-  void* dq = nullptr;              // like q
-  void* dk = nullptr;              // like k
-  void* dv = nullptr;              // like v
+  void* dq = nullptr;              // like q (float32 with float32_gradients)
+  void* dk = nullptr;              // like k (likewise)
+  void* dv = nullptr;              // like v (likewise)
   // Workspace, allocated by XLA as an extra result of the call (never the FFI scratch allocator).
   float* softmax_d = nullptr;      // [batch, heads_q, seqlen_q] float32: rowsum(dO * O) - dlse
   // float32, dq_workspace_elements() of common/dq_workspace.h (layout private to each kernel family): dQ summed over
@@ -120,6 +120,11 @@ struct AttentionBackwardParams : AttentionParams {
   int64_t dkdv_tail_floats = 0;
   float* dbias = nullptr;          // like bias (same strides), float32; nullptr when not wanted
   bool deterministic = false;      // bit-reproducible gradients
+  // dq, dk and dv are float32 although q, k and v are float16: the TF32-class backward of float32 calls, which runs
+  // on float16 operands scaled by powers of two (jax_flash/_half_operands.py) and needs its gradients unrounded.
+  bool float32_gradients = false;
+
+  ElementType gradient_type() const { return float32_gradients ? ElementType::kFloat32 : element_type; }
 };
 
 }  // namespace jax_flash

@@ -143,6 +143,7 @@ void attention_backward(const AttentionBackwardParams& p) {
   if (p.batch == 0) return;  // every other output is empty
   const SliceGeometry geometry(p);
   const int64_t dp = geometry.padded_head_dim;
+  const int64_t gradient_bytes = element_size(p.gradient_type());
   compute_softmax_d(p, geometry);
 
   // Split the key tiles of a (batch, KV head) into chunks only when there are fewer of those than workers.
@@ -213,10 +214,10 @@ void attention_backward(const AttentionBackwardParams& p) {
         }
       }
       const int64_t rows = std::min(kKeyTile, p.seqlen_k - j0);
-      store_rows(work.dk.data(), dp, rows, p.head_dim, geometry.slice(p.dk, p.seqlen_k, p.heads_kv, b, kv_head),
-                 p.element_type, geometry.kv_row_stride, j0);
-      store_rows(work.dv.data(), dp, rows, p.head_dim, geometry.slice(p.dv, p.seqlen_k, p.heads_kv, b, kv_head),
-                 p.element_type, geometry.kv_row_stride, j0);
+      store_rows(work.dk.data(), dp, rows, p.head_dim, geometry.slice(p.dk, p.seqlen_k, p.heads_kv, b, kv_head, gradient_bytes),
+                 p.gradient_type(), geometry.kv_row_stride, j0);
+      store_rows(work.dv.data(), dp, rows, p.head_dim, geometry.slice(p.dv, p.seqlen_k, p.heads_kv, b, kv_head, gradient_bytes),
+                 p.gradient_type(), geometry.kv_row_stride, j0);
     }
   });
 
@@ -225,7 +226,7 @@ void attention_backward(const AttentionBackwardParams& p) {
     for (int64_t e = 0; e < dbias_elements; ++e) p.dbias[e] += partial[e];
   }
 
-  // Sum the chunk partials in chunk order and convert dQ to the input type.
+  // Sum the chunk partials in chunk order and convert dQ to the gradients' type.
   const int64_t total_rows = p.batch * p.seqlen_q * p.heads_q;
   const int64_t rows_per_task = 256;
   parallel_for((total_rows + rows_per_task - 1) / rows_per_task, [&](int64_t task) {
@@ -236,7 +237,7 @@ void attention_backward(const AttentionBackwardParams& p) {
       const float* partial = dq_partials.data() + chunk * dq_elements + first * p.head_dim;
       for (int64_t e = 0; e < rows * p.head_dim; ++e) dq[e] += partial[e];
     }
-    store_rows(dq, p.head_dim, rows, p.head_dim, p.dq, p.element_type, p.head_dim, first);
+    store_rows(dq, p.head_dim, rows, p.head_dim, p.dq, p.gradient_type(), p.head_dim, first);
   });
 }
 

@@ -26,7 +26,11 @@ struct SliceGeometry {
     return static_cast<const char*>(base) + ((b * seqlen * heads + h) * params.head_dim) * bytes;
   }
   void* slice(void* base, int64_t seqlen, int64_t heads, int64_t b, int64_t h) const {
-    return static_cast<char*>(base) + ((b * seqlen * heads + h) * params.head_dim) * bytes;
+    return slice(base, seqlen, heads, b, h, bytes);
+  }
+  // The same of a tensor whose elements take `element_bytes` (float32 gradients of float16 operands).
+  void* slice(void* base, int64_t seqlen, int64_t heads, int64_t b, int64_t h, int64_t element_bytes) const {
+    return static_cast<char*>(base) + ((b * seqlen * heads + h) * params.head_dim) * element_bytes;
   }
   const void* q_slice(int64_t b, int64_t h) const { return slice(params.q, params.seqlen_q, params.heads_q, b, h); }
   void* o_slice(int64_t b, int64_t h) const { return slice(params.o, params.seqlen_q, params.heads_q, b, h); }

@@ -378,6 +378,40 @@ struct Sm90BackwardBuilt {
   constexpr bool operator()(int d) const { return contains(kSm90BackwardHeadDims, d); }
 };
 
+// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients: the TF32-class backward of
+// float32 calls): only the Hopper backward's fused-dQ common form writes them, at d=64 and d=128 (jax_flash/
+// _ffi_calls.py _uses_half_operands_backward sends only such calls). Empty when it can run this call, else why not.
+constexpr int kFloat32GradientHeadDims[] = {64, 128};
+
+int sm90_float32_gradient_head_dim(int64_t head_dim) {
+  const int d = smallest_at_least(kFloat32GradientHeadDims, head_dim);
+  return contains(kSm90BackwardHeadDims, d) ? d : 0;
+}
+
+std::string sm90_float32_gradient_refusal(const AttentionBackwardParams& p) {
+  if (sm90_float32_gradient_head_dim(p.head_dim) == 0) {
+    return build_refusal("no sm_90a float32-gradient backward kernel for head_dim " + std::to_string(p.head_dim));
+  }
+  if (std::string why = sm90_backward_refusal(p); !why.empty()) return why;
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.mask != nullptr) {
+    return "softcap, ALiBi and boolean masks have no float32-gradient form";
+  }
+  if (p.dq_accum == nullptr || p.deterministic) return "it needs the fused dQ (a dq_accum workspace, not deterministic)";
+  return {};
+}
+
+std::string run_sm90_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  if (std::string why = sm90_float32_gradient_refusal(p); !why.empty()) {
+    return "float32 gradients of float16 operands (the Hopper backward's; JAX_FLASH_SM90_TF32_BACKWARD_FP16): " + why;
+  }
+  struct Built {
+    constexpr bool operator()(int d) const { return (d == 64 || d == 128) && contains(kSm90BackwardHeadDims, d); }
+  };
+  return with_head_dim<Built>(sm90_float32_gradient_head_dim(p.head_dim), [&](auto dim) {
+    return sm90::launch_float32_gradient_backward<decltype(dim)::value>(p, stream);
+  });
+}
+
 std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
@@ -433,6 +467,7 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     if (cudaMemsetAsync(p.dbias, 0, dbias_bytes, stream) != cudaSuccess) return "cudaMemsetAsync of dbias failed";
   }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
+  if (p.float32_gradients) return run_sm90_float32_gradient_backward(p, stream);
   if (p.element_type == ElementType::kFloat32) {
     bool use_sm90 = false;
     if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD",

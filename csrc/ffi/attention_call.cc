@@ -191,9 +191,13 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
   const auto type = in.q.element_type();
   JF_RETURN_IF_ERROR(expect_buffer("d_o", in.d_o, type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
   JF_RETURN_IF_ERROR(expect_buffer("d_lse", in.d_lse, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
-  JF_RETURN_IF_ERROR(expect_buffer("dq", out.dq, type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
-  JF_RETURN_IF_ERROR(expect_buffer("dk", out.dk, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
-  JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
+  // The gradients take q's type, or float32 for all three of a float16 call (AttentionBackwardParams::
+  // float32_gradients: the TF32-class backward of float32 calls on scaled float16 operands).
+  p->float32_gradients = type == ffi::DataType::F16 && out.dq.element_type() == ffi::DataType::F32;
+  const auto gradient_type = p->float32_gradients ? ffi::DataType::F32 : type;
+  JF_RETURN_IF_ERROR(expect_buffer("dq", out.dq, gradient_type, batch, {p->seqlen_q, p->heads_q, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("dk", out.dk, gradient_type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
+  JF_RETURN_IF_ERROR(expect_buffer("dv", out.dv, gradient_type, batch, {p->seqlen_k, p->heads_kv, p->head_dim}));
   JF_RETURN_IF_ERROR(
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
   // dq_accum: absent when empty, else the float32 workspace [*batch, heads_q, per head] (common/dq_workspace.h: its

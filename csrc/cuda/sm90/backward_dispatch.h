@@ -33,9 +33,12 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu.
+// Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu and
+// backward_hdim{D}_fp16_f32grad_common.cu.
 template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
+template <int kHeadDim>
+std::string launch_float32_gradient_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
 
 // kZeroDqAccum: the fused dQ's workspace is zeroed by this pass (sm80/backward_row_kernels.h zero_dq_accum_of_row).
 template <class T, bool kZeroDqAccum>
@@ -86,6 +89,29 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
     }
   }
   return gemm_passes(false);
+}
+
+// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients): as launch_backward's fused-dQ
+// common form, with float32 dK and dV (stored from the accumulators, backward_key_block.h store_float_key_rows) and dQ
+// converted to float32. dispatch.cu routes here only calls that form runs (sm90_float32_gradient_refusal).
+template <int kHeadDim>
+std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
+  using T = cutlass::half_t;
+  static_assert(has_fused_dq(kHeadDim));
+  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return "sm90 backward: empty sequences (a TMA descriptor needs data)";
+  if (p.dq_accum == nullptr || p.deterministic || reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0) {
+    return "sm90 backward: float32 gradients need the fused dQ (a 16-byte aligned dq_accum, not deterministic)";
+  }
+  if (backward_form(p) != BackwardForm::kCommon) {
+    return "sm90 backward: float32 gradients only in the common form (no softcap, ALiBi or boolean mask)";
+  }
+  if (std::string err = sm80::launch_softmax_d<T>(p, softmax_d_kernel<T, true>, stream, "sm90"); !err.empty()) {
+    return err;
+  }
+  // The pre-pass zeroed the workspace: no memset.
+  return run_fused_dq(p, stream, /*count=*/0, [&] { return launch_float32_gradient_dkdv<kHeadDim>(p, stream); },
+                      dq_from_tiles_kernel<DkdvTraits<kHeadDim, T, float>>, dq_workspace_chunks(p), "sm90");
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -27,6 +27,7 @@
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -484,17 +485,27 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // K too except the fused dQ's, which read all of K: dV and dK are staged in this warpgroup's rows of V and K for
   // 16-byte row stores, dK only once both consumers' last dQ GEMMs have retired.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
-  Tensor dv_out = sm80::converted<T>(acc_dv);
-  store_accumulators(mma_dkv, thread, dv_out, sV);
+  // Float32 gradients (of float16 operands) go straight from the accumulators to global memory instead.
+  constexpr bool kFloatOut = !std::is_same_v<typename Traits::OutElement, T>;
+  if constexpr (kFloatOut) {
+    store_float_key_rows<Traits>(p, kb, p.dv, mma_dkv, thread, acc_dv);
+  } else {
+    Tensor dv_out = sm80::converted<T>(acc_dv);
+    store_accumulators(mma_dkv, thread, dv_out, sV);
+  }
   if constexpr (kFusedDq) named_barrier_sync(kDsStoredBarrier, Traits::kConsumerThreads);
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-  Tensor dk_out = sm80::converted<T>(acc_dk);
-  store_accumulators(mma_dkv, thread, dk_out, sK);
-  named_barrier_sync(kDkdvEpilogueBarrier + group, 128);
-  const int rows_begin = group * 64;
-  store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);
-  store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
+  if constexpr (kFloatOut) {
+    store_float_key_rows<Traits>(p, kb, p.dk, mma_dkv, thread, acc_dk);
+  } else {
+    Tensor dk_out = sm80::converted<T>(acc_dk);
+    store_accumulators(mma_dkv, thread, dk_out, sK);
+    named_barrier_sync(kDkdvEpilogueBarrier + group, 128);
+    const int rows_begin = group * 64;
+    store_key_rows<Traits>(p, kb, p.dk, &sK, rows_begin, rows_begin + 64, thread % 128, 128);
+    store_key_rows<Traits>(p, kb, p.dv, &sV, rows_begin, rows_begin + 64, thread % 128, 128);
+  }
   // This thread's accesses to the buffer are done; its generic-proxy stores (the dK/dV staging) are ordered before
   // the TMA (async proxy) writes of the block that reuses it.
   fence_stores_for_async_proxy();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -99,6 +100,28 @@ __device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, voi
       *reinterpret_cast<uint4*>(dst) =
           staged ? *reinterpret_cast<const uint4*>(&(*staged)(row, chunk * kChunk)) : make_uint4(0, 0, 0, 0);
     }
+  }
+}
+
+// Stores a consumer's float32 accumulator tile `acc` (the fragment of `mma`, whose tile is [kBlockN, kHeadDim], held by
+// consumer thread `thread`) straight into `out`, float32 dK or dV, leaving out rows past keys_in_bounds and columns
+// past head_dim: the float32 gradients of float16 operands (AttentionBackwardParams::float32_gradients), which the
+// 16-bit K and V buffers are too small to stage. Each warp's store writes 4 bytes at every other float of eight
+// 32-byte row pieces (whole sectors once the neighbouring element's store lands); once per key block, so the
+// epilogue's share of the pass stays small.
+template <class Traits, class TiledMma, class Acc>
+__device__ __forceinline__ void store_float_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out,
+                                                     TiledMma const& mma, int thread, Acc const& acc) {
+  using namespace cute;
+  static_assert(std::is_same_v<typename Traits::OutElement, float>);
+  const sm80::BshdShape kv_shape = sm80::key_shape(p);
+  Tensor coords = mma.get_thread_slice(thread).partition_C(
+      make_identity_tensor(Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}));
+  float* base = static_cast<float*>(out) + kv_shape.offset(kb.batch, kb.n0, kb.head_kv);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int row = get<0>(coords(i)), col = get<1>(coords(i));
+    if (row < kb.keys_in_bounds && col < p.head_dim) base[row * kv_shape.row_stride() + col] = acc(i);
   }
 }
 

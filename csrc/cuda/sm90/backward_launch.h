@@ -138,6 +138,15 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
 }
 
+// The fused-dQ dK/dV pass of float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the
+// TF32-class backward of float32 calls, jax_flash/_half_operands.py): the common form, d=64 and d=128
+// (backward_dispatch.h launch_float32_gradient_backward runs the rest).
+template <int kHeadDim>
+std::string launch_float32_gradient_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
+  return launch_dkdv_kernel<DkdvTraits<kHeadDim, cutlass::half_t, float>, BackwardForm::kCommon, true>(
+      p, stream, "sm90 dK/dV kernel launch (float32 gradients)");
+}
+
 // The dQ kernel of traits Traits (one CTA per query tile and head).
 template <class Traits, BackwardForm kForm>
 std::string launch_dq_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {

@@ -68,10 +68,13 @@ constexpr auto transposed_stages(SmemLayout layout) {
   return composition(layout, make_ordered_layout(Shape<Int<kCols>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 }
 
-template <int kHeadDim_, class Element_>
+// OutElement: dK's, dV's and the fused dQ's type, Element's or float32 (of float16 operands: AttentionBackwardParams::
+// float32_gradients; the fused-dQ common form only, backward_launch.h launch_float32_gradient_dkdv).
+template <int kHeadDim_, class Element_, class OutElement_ = Element_>
 struct DkdvTraits {
   using Element = Element_;
-  using OutElement = Element;  // dK, dV
+  using OutElement = OutElement_;
+  static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;

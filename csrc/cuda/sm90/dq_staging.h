@@ -99,7 +99,7 @@ __device__ __forceinline__ void stage_dq_tile(float* tile, const Acc& acc, int g
 template <class Traits>
 __device__ __forceinline__ void dq_from_tiles(const AttentionBackwardParams& p) {
   using namespace cute;
-  using T = typename Traits::Element;
+  using T = typename Traits::OutElement;  // q's type, or float32 (AttentionBackwardParams::float32_gradients)
   struct alignas(2 * sizeof(T)) Pair { T first, second; };
   constexpr int kRows = Traits::kBlockM, kCols = Traits::kDqCols, kHeadDim = Traits::kHeadDim;
   constexpr int kGroupsPerConsumer = kCols / kDqGroupColumns;

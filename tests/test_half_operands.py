@@ -1,0 +1,201 @@
+"""The TF32-class backward on scaled float16 operands (``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1``, jax_flash/_half_operands.py):
+its powers of two keep every float16 operand, probability and score gradient in range, the backward call carries
+float16 operands with float32 gradients only where the switch and the call's form allow, and the gradients are
+those of float16-rounded operands: within the TF32 bound of the float64 reference, and visibly not the float32
+ones (so the scaled path is what ran). On the CPU (CI) the reference handler runs the scaled operands; on a Hopper GPU
+(tests/test_cuda.py) the 16-bit Hopper backward does."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _ffi_calls, _half_operands
+from attention_cases import TF32_ROUNDING, Case, assert_within_bound, feature_kwargs, max_error, oracle_grads
+
+FLOAT16_MAX = 65504.0
+
+
+def _grads(q, k, v, d_o, d_lse, **kwargs):
+    """A fresh jitted gradient function (jit's trace cache does not know the switch, read when traced)."""
+    def loss(q_, k_, v_):
+        o, lse = jax_flash.attention(q_, k_, v_, return_lse=True, **kwargs)
+        return jnp.sum(o * d_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0)):
+    q, k, v = case.inputs()
+    keys = jax.random.split(jax.random.key(case.seed + 99), 2)
+    d_o = jax.random.normal(keys[0], q.shape, jnp.float32)
+    d_lse = jax.random.normal(keys[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    q, k, v, d_o = (x * s for x, s in zip((q, k, v, d_o), scales))
+    return q, k, v, d_o, d_lse
+
+
+def _scaled_score_grads(q, k, v, d_o, d_lse, softmax_scale):
+    """dS' = P' (dP' - D') of the scaled operands, as the kernel forms it (float64, no mask): its largest element
+    must stay in float16's range."""
+    s, e_v, e_do = (np.asarray(e) for e in _half_operands.operand_exponents(q, k, v, d_o, d_lse))
+    group = q.shape[2] // k.shape[2]
+    q64, k64, v64, do64 = (np.asarray(x, np.float64) for x in (q, k, v, d_o))
+    k64, v64 = np.repeat(k64, group, axis=2), np.repeat(v64, group, axis=2)
+    per_query_head = lambda e: np.repeat(e, group, axis=-1)[:, :, None, None]  # noqa: E731  [B, Hq, 1, 1]
+    scores = np.einsum("bqhd,bkhd->bhqk", q64, k64) * softmax_scale
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", probs, v64)
+    d_probs = np.einsum("bqhd,bkhd->bhqk", do64, v64)
+    softmax_d = np.einsum("bqhd,bqhd->bhq", do64, o) - np.asarray(d_lse, np.float64)
+    score_grads = probs * (d_probs - softmax_d[..., None])
+    return score_grads * 2.0 ** per_query_head(_half_operands.PROBABILITY_SHIFT + e_do + e_v)
+
+
+@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-4, 3e3, 1e4, 1e-5), (30.0, 0.02, 1e-3, 5e3)),
+                         ids=("unit", "spread", "spread2"))
+def test_scaled_operands_stay_in_float16_range(scales):
+    case = Case(batch=2, seqlen_q=40, seqlen_k=56, heads_q=4, heads_kv=2, head_dim=64, seed=3)
+    q, k, v, d_o, d_lse = _inputs(case, scales)
+    s, e_v, e_do = _half_operands.operand_exponents(q, k, v, d_o, d_lse)
+    assert s.shape == e_v.shape == e_do.shape == (case.batch, case.heads_kv)
+    q_half, k_half = _half_operands._scaled(q, s), _half_operands._scaled(k, -s)
+    # Per slice: the scores are untouched, and both factors sit well inside float16's normal range.
+    for b in range(case.batch):
+        for h in range(case.heads_kv):
+            q_max = np.abs(np.asarray(q_half)[b, :, 2 * h:2 * h + 2]).max()
+            k_max = np.abs(np.asarray(k_half)[b, :, h]).max()
+            assert 2.0 ** -4 < q_max < 2.0 ** 15 and 2.0 ** -4 < k_max < 2.0 ** 15
+            v_norms = np.linalg.norm(np.asarray(_half_operands._scaled(v, e_v))[b, :, h], axis=-1)
+            assert 2.0 ** 3 <= v_norms.max() < 2.0 ** 4
+    def scores(q_, k_):
+        k64 = np.repeat(np.asarray(k_, np.float64), case.heads_q // case.heads_kv, axis=2)
+        return np.einsum("bqhd,bkhd->bhqk", np.asarray(q_, np.float64), k64)
+    np.testing.assert_array_equal(scores(q_half, k_half), scores(q, k))  # powers of two: exact
+    score_grads = _scaled_score_grads(q, k, v, d_o, d_lse, 1.0 / np.sqrt(case.head_dim))
+    largest = np.abs(score_grads).max(axis=(2, 3))  # per (batch row, query head)
+    assert np.all(largest < 2.0 ** 14)
+    # ... and not near float16's subnormals either (2^-14): the Cauchy-Schwarz bound is loose (here by ~2^9), but
+    # the largest score gradient stays far above 1, so its row's small ones keep their 11 bits.
+    assert np.all(largest > 4.0)
+
+
+def test_exponents_leave_zero_and_non_finite_tensors_unscaled():
+    zeros = jnp.zeros((1, 3, 1, 64), jnp.float32)
+    s, e_v, e_do = (int(e[0, 0]) for e in _half_operands.operand_exponents(zeros, zeros, zeros, zeros,
+                                                                     jnp.zeros((1, 1, 3))))
+    assert s == 0 and e_v == _half_operands._V_ROW_NORM_EXPONENT
+    nan = zeros.at[0, 0, 0, 0].set(jnp.nan)
+    s, _, _ = (int(e[0, 0]) for e in _half_operands.operand_exponents(nan, nan, zeros, zeros, jnp.zeros((1, 1, 3))))
+    assert s == 0
+
+
+def _backward_gradient_dtypes(q, k, v, **kwargs):
+    """The (operand, gradient) dtypes of the backward custom call(s) in the jitted gradient of a float32 call."""
+    def loss(q_, k_, v_):
+        return jnp.sum(jax_flash.attention(q_, k_, v_, **kwargs))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    calls = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
+    assert calls
+    return ["f16" if "xf16>" in line.split("=")[-1] else "f32" for line in calls], calls
+
+
+@pytest.mark.parametrize("switch,kwargs,expected", (
+    ("1", {}, "f16"),
+    ("1", {"causal": True}, "f16"),
+    ("0", {}, "f32"),
+    ("", {}, "f32"),  # off by default
+    ("1", {"float32_precision": "highest"}, "f32"),
+    ("1", {"softcap": 20.0}, "f32"),  # the common form only
+    ("1", {"deterministic": True}, "f32"),  # fused dQ only
+))
+def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
+    q, k, v = Case(seqlen_q=33, seqlen_k=40, head_dim=64, seed=1).inputs()
+    kinds, calls = _backward_gradient_dtypes(q, k, v, **kwargs)
+    assert kinds == [expected], calls
+
+
+@pytest.mark.parametrize("head_dim", (48, 136, 100))
+def test_head_dims_outside_the_kernels_keep_the_float32_call(head_dim, monkeypatch):
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
+    q, k, v = Case(seqlen_q=9, seqlen_k=9, head_dim=head_dim, seed=2).inputs()
+    kinds, calls = _backward_gradient_dtypes(q, k, v)
+    assert kinds == ["f32"], calls
+
+
+@pytest.mark.parametrize("feature", ("none", "causal", "window", "seqlens", "segments"))
+@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5)), ids=("unit", "spread"))
+def test_gradients_are_those_of_float16_operands(feature, scales, monkeypatch):
+    """Within the TF32 bound of the float64 reference, operands spread far past float16's range included (unscaled,
+    q * 1e3 and v * 1e4 would not fit; dO * 1e-5 would be mostly subnormal), and farther from the reference than
+    the float32 backward (the scaled path ran)."""
+    case = Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=64, seed=len(feature))
+    q, k, v, d_o, d_lse = _inputs(case, scales)
+    kwargs = feature_kwargs(feature, case)
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
+    ours = _grads(q, k, v, d_o, d_lse, **kwargs)
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "0")
+    exact = _grads(q, k, v, d_o, d_lse, **kwargs)
+    references = oracle_grads(q, k, v, d_o, d_lse=d_lse, **kwargs)
+    for name, g, g_exact, reference in zip(("dq", "dk", "dv"), ours, exact, references):
+        assert g.dtype == jnp.float32
+        # The float32 CPU result stands in for XLA (its error counts as at least TF32's rounding, tf32=True).
+        assert_within_bound(name, g, g_exact, reference, jnp.float32, scale=4.0, tf32=True)
+        magnitude = float(np.max(np.abs(reference)))
+        assert max_error(g, reference) > 10 * max(max_error(g_exact, reference), 1e-7 * magnitude), name
+
+
+def test_gradients_of_float16_operands_under_vmap(monkeypatch):
+    """Each example of a vmapped call scales its own operands (a batch of very different magnitudes)."""
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
+    case = Case(batch=1, seqlen_q=24, seqlen_k=24, heads_q=2, heads_kv=2, head_dim=64, seed=5)
+    inputs = [_inputs(case, (s, 1.0 / s, s, 1.0)) for s in (1e-3, 1.0, 1e3)]
+    q, k, v, d_o, d_lse = (jnp.stack(x) for x in zip(*inputs))
+
+    def loss(q_, k_, v_, d_o_):
+        return jnp.sum(jax_flash.attention(q_, k_, v_) * d_o_)
+    per_example = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, d_o)
+    for i in range(3):
+        references = oracle_grads(q[i], k[i], v[i], d_o[i])
+        for name, g, reference in zip(("dq", "dk", "dv"), per_example, references):
+            magnitude = max(1e-30, float(np.max(np.abs(reference))))
+            assert max_error(g[i], reference) <= 8 * TF32_ROUNDING * magnitude, (name, i)
+
+
+def test_raw_target_takes_float32_gradients_of_float16_operands_only_all_three():
+    """The backward target's gradients take q's type, or float32 for all three of a float16 call: those of the
+    float16 results before their rounding (CPU: the same float32 sums); other mixes are errors naming the buffer."""
+    from jax_flash import _registration
+    from jax_flash._config import ScoreConfig
+
+    case = Case(batch=2, seqlen_q=33, seqlen_k=20, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.float16, seed=9)
+    q, k, v = case.inputs()
+    masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
+    dense = [jnp.zeros((1, 1, 1, 0), jnp.float32), jnp.zeros((1, 1, 1, 0), bool), jnp.zeros((1, 1, 1, 0), jnp.uint8),
+             jnp.zeros((2, 0), jnp.uint32)]
+    config = ScoreConfig(softmax_scale=0.125)
+    stats = jax.ShapeDtypeStruct((2, 4, 33), jnp.float32)
+    o, lse, _ = jax.ffi.ffi_call(_registration.FORWARD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats,
+                                                                jax.ShapeDtypeStruct((0,), jnp.float32)))(
+        q, k, v, *masks, *dense, **_ffi_calls._forward_attributes(config))
+    d_o = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(jnp.float16)
+
+    def backward(*dtypes, operands=(q, k, v, o)):
+        q_, k_, v_, o_ = operands
+        call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
+            jax.ShapeDtypeStruct(q.shape, dtypes[0]), jax.ShapeDtypeStruct(k.shape, dtypes[1]),
+            jax.ShapeDtypeStruct(v.shape, dtypes[2]), stats, jax.ShapeDtypeStruct((0,), jnp.float32),
+            jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
+        return jax.block_until_ready(call(q_, k_, v_, o_, lse, d_o.astype(q_.dtype), jnp.zeros_like(lse), *masks,
+                                          *dense, **_ffi_calls._score_attributes(config), deterministic=False))[:3]
+
+    float32_grads = backward(jnp.float32, jnp.float32, jnp.float32)
+    for got, rounded in zip(float32_grads, backward(jnp.float16, jnp.float16, jnp.float16)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float16)), np.asarray(rounded))
+        assert np.any(np.asarray(got) != np.asarray(rounded.astype(jnp.float32)))  # unrounded
+    with pytest.raises(Exception, match="dk"):
+        backward(jnp.float32, jnp.float16, jnp.float32)
+    with pytest.raises(Exception, match="dq"):
+        backward(jnp.float32, jnp.bfloat16, jnp.bfloat16,
+                 operands=tuple(x.astype(jnp.bfloat16) for x in (q, k, v, o)))
