@@ -304,17 +304,20 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
     if _uses_half_operands_backward(q, k, masks, config, dense):  # never with a bias, so never want_dbias
-        def call(*operands: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            dq, dk, dv, _ = _backward_call(*operands, masks, config, dense, False, jnp.float32)
+        def call(q16: jax.Array, k16: jax.Array, v16: jax.Array, o16: jax.Array, lse_: jax.Array,
+                 d_o16: jax.Array, d_lse_: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            dq, dk, dv, _ = _backward_call(q16, k16, v16, o16, lse_, d_o16, d_lse_, masks, config, dense, False,
+                                           jnp.dtype(jnp.float32))
             return dq, dk, dv
         return _half_operands.backward(call, q, k, v, o, lse, d_o, d_lse)
-    dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias, q.dtype)
+    dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias,
+                                       jnp.dtype(q.dtype))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)
 
 
 def _backward_call(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
                    d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands,
-                   want_dbias: bool, gradient_dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+                   want_dbias: bool, gradient_dtype: np.dtype) -> tuple[jax.Array, ...]:
     """The backward custom call: ``(dq, dk, dv, dbias)``, the gradients of ``gradient_dtype`` (q's, or float32
     for float16 operands), dbias a placeholder unless ``want_dbias``."""
     dbias_shape = dense.bias.shape if want_dbias else (1, 1, 1, 0)

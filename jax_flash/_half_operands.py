@@ -35,7 +35,8 @@ _V_ROW_NORM_EXPONENT = 4
 # The bound on |dS'| is kept below 2^14 (float16's largest finite is 65504, just under 2^16).
 _SCORE_GRAD_EXPONENT = 14
 
-GradCall = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+GradCall = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array],
+                    tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def _exponent(x: jax.Array) -> jax.Array:
