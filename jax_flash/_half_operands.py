@@ -58,9 +58,13 @@ def _slice_max(x: jax.Array, heads_kv: int) -> jax.Array:
 
 
 def _slice_max_row_norm(x: jax.Array, heads_kv: int) -> jax.Array:
-    """``[..., Hkv]``: the largest row norm (over D) of each (batch row, KV head) slice of ``x`` ``[..., S, H, D]``."""
-    norms = jnp.sqrt(jnp.sum(jnp.square(_grouped(x, heads_kv)), axis=-1))
-    return jnp.max(norms, axis=(-3, -1))
+    """``[..., Hkv]``: the largest row norm (over D) of each (batch row, KV head) slice of ``x`` ``[..., S, H, D]``,
+    summed over the slice divided by a power of two near its largest element, so that the squares neither overflow
+    nor underflow float32 (a dO of 1e25 would)."""
+    e = _exponent(_slice_max(x, heads_kv))
+    unit = _grouped(_scaled(x, -e), heads_kv)  # elements within [-1, 1]
+    norms = jnp.max(jnp.sqrt(jnp.sum(jnp.square(unit), axis=-1)), axis=(-3, -1))
+    return _times_power_of_two(norms, e)
 
 
 def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, d_o: jax.Array,
@@ -74,19 +78,41 @@ def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, d_o: jax.Array,
     s = (e_k - e_q) // 2  # the largest |q'| and |k'| then lie within a factor of 4 of each other
     e_v = _V_ROW_NORM_EXPONENT - _exponent(_slice_max_row_norm(v, heads_kv))
     # 2^p (|dP'| + |D'|) <= 2^(p + e_do) c with c = 2 max|dO_i| max|V'_j| + 2^e_v max|dlse_i| (|O'_i| <= max|V'_j|
-    # < 2^4, and a factor 2 of margin for o's and the operands' roundings).
-    v_norm_bound = 2.0 ** _V_ROW_NORM_EXPONENT
+    # < 2^4, and a factor 2 of margin for o's and the operands' roundings). In exponents, c's two terms are below
+    # 2^(e(max|dO_i|) + 1 + 4) and 2^(e(max|dlse_i|) + e_v), so c < 2^(larger + 1): integer arithmetic, which no
+    # magnitude overflows.
     *lead, heads_q, seqlen_q = d_lse.shape
     d_lse_max = jnp.max(jnp.abs(d_lse.reshape(*lead, heads_kv, heads_q // heads_kv * seqlen_q)), axis=-1)
-    c = 2.0 * _slice_max_row_norm(d_o, heads_kv) * v_norm_bound + jnp.ldexp(d_lse_max, e_v)
-    e_do = _SCORE_GRAD_EXPONENT - PROBABILITY_SHIFT - 1 - _exponent(c)
+    e_c = jnp.maximum(_exponent(_slice_max_row_norm(d_o, heads_kv)) + 1 + _V_ROW_NORM_EXPONENT,
+                      jnp.where(d_lse_max > 0, _exponent(d_lse_max) + e_v, jnp.iinfo(jnp.int32).min // 2)) + 1
+    e_do = _SCORE_GRAD_EXPONENT - PROBABILITY_SHIFT - 1 - e_c
     return s, e_v, e_do
+
+
+def _power_of_two_factors(exponent: jax.Array) -> list[jax.Array]:
+    """float32 powers of two whose product is 2^exponent (each a normal float32, so exact), for |exponent| up to
+    3 * 126: the elements are then scaled by float32 multiplications, which XLA fuses into the conversion at memory
+    speed (``jnp.ldexp`` per element costs a frexp and integer arithmetic each). Applied in turn they move the
+    value one way only, so no intermediate product leaves the range of a representable result."""
+    factors = []
+    remaining = exponent
+    for _ in range(3):
+        step = jnp.clip(remaining, -126, 126)
+        factors.append(jnp.ldexp(jnp.float32(1.0), step))
+        remaining = remaining - step
+    return factors
+
+
+def _times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    for factor in _power_of_two_factors(exponent):
+        x = x * factor
+    return x
 
 
 def _scaled(x: jax.Array, exponent: jax.Array) -> jax.Array:
     """``x`` ``[..., S, H, D]`` times 2^exponent of its slice (``exponent`` ``[..., Hkv]``), in float32."""
-    grouped = _grouped(x, exponent.shape[-1])
-    return jnp.ldexp(grouped, exponent[..., None, :, None, None]).reshape(x.shape)
+    grouped = _grouped(x, exponent.shape[-1]).astype(jnp.float32)
+    return _times_power_of_two(grouped, exponent[..., None, :, None, None]).reshape(x.shape)
 
 
 def _half(x: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -98,7 +124,7 @@ def _scaled_rows(x: jax.Array, exponent: jax.Array) -> jax.Array:
     *lead, heads_q, seqlen_q = x.shape
     heads_kv = exponent.shape[-1]
     grouped = x.reshape(*lead, heads_kv, heads_q // heads_kv, seqlen_q)
-    return jnp.ldexp(grouped, exponent[..., None, None]).reshape(x.shape)
+    return _times_power_of_two(grouped, exponent[..., None, None]).reshape(x.shape)
 
 
 def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,

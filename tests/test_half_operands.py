@@ -51,8 +51,9 @@ def _scaled_score_grads(q, k, v, d_o, d_lse, softmax_scale):
     return score_grads * 2.0 ** per_query_head(_half_operands.PROBABILITY_SHIFT + e_do + e_v)
 
 
-@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-4, 3e3, 1e4, 1e-5), (30.0, 0.02, 1e-3, 5e3)),
-                         ids=("unit", "spread", "spread2"))
+@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-4, 3e3, 1e4, 1e-5), (30.0, 0.02, 1e-3, 5e3),
+                                    (1e-20, 1e20, 1e-25, 1e25)),
+                         ids=("unit", "spread", "spread2", "extreme"))
 def test_scaled_operands_stay_in_float16_range(scales):
     case = Case(batch=2, seqlen_q=40, seqlen_k=56, heads_q=4, heads_kv=2, head_dim=64, seed=3)
     q, k, v, d_o, d_lse = _inputs(case, scales)
@@ -124,7 +125,8 @@ def test_head_dims_outside_the_kernels_keep_the_float32_call(head_dim, monkeypat
 
 
 @pytest.mark.parametrize("feature", ("none", "causal", "window", "seqlens", "segments"))
-@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5)), ids=("unit", "spread"))
+@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5), (1e-20, 1e20, 1e-25, 1e25)),
+                         ids=("unit", "spread", "extreme"))
 def test_gradients_are_those_of_float16_operands(feature, scales, monkeypatch):
     """Within the TF32 bound of the float64 reference, operands spread far past float16's range included (unscaled,
     q * 1e3 and v * 1e4 would not fit; dO * 1e-5 would be mostly subnormal), and farther from the reference than
