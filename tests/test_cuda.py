@@ -1175,6 +1175,22 @@ def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, fea
         assert_within_tf32_bound(name + " with dlse", g, g_xla, reference, scale=4.0)
 
 
+@pytest.mark.parametrize("head_dim", (64, 128), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("feature", ("softcap", "alibi_batched_causal", "everything", "mask"))
+def test_float32_tf32_backward_on_float16_operands_forms(head_dim, feature, monkeypatch):
+    """The transforms (softcap, ALiBi) and masked forms of the float32-gradient kernels, as the test above."""
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    case = Case(batch=2, seqlen_q=200, seqlen_k=260, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
+                seed=head_dim + len(feature))
+    if feature == "mask":
+        kwargs = {"mask": block_structured_mask((case.batch, 1, case.seqlen_q, case.seqlen_k), case.seed)}
+    else:
+        kwargs = feature_kwargs(feature, case)
+    check_float32_on_gpu(case, "tf32", **kwargs)
+
+
 # The split-TF32 forward (float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32=1: each operand as two TF32
 # parts, three TF32 WGMMAs per GEMM; csrc/common/tf32_workspace.h) must meet the exact mode's bound. Forcing sm90
 # (JAX_FLASH_CUDA_KERNEL_F32) makes a call it cannot run an error, so a pass shows the split kernel computed it.

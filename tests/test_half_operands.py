@@ -11,7 +11,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _ffi_calls, _half_operands
-from attention_cases import TF32_ROUNDING, Case, assert_within_bound, feature_kwargs, max_error, oracle_grads
+from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, block_structured_mask, feature_kwargs,
+                              max_error, oracle_grads)
 
 FLOAT16_MAX = 65504.0
 
@@ -106,7 +107,10 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("0", {}, "f32"),
     ("", {}, "f32"),  # off by default
     ("1", {"float32_precision": "highest"}, "f32"),
-    ("1", {"softcap": 20.0}, "f32"),  # the common form only
+    ("1", {"softcap": 20.0}, "f16"),  # the transforms form
+    ("1", {"mask": jnp.ones((2, 1, 33, 40), bool)}, "f16"),  # the masked form
+    ("1", {"bias": jnp.zeros((2, 1, 33, 40))}, "f32"),  # no bias form
+    ("1", {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, "f32"),
     ("1", {"deterministic": True}, "f32"),  # fused dQ only
 ))
 def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
@@ -124,7 +128,8 @@ def test_head_dims_outside_the_kernels_keep_the_float32_call(head_dim, monkeypat
     assert kinds == ["f32"], calls
 
 
-@pytest.mark.parametrize("feature", ("none", "causal", "window", "seqlens", "segments"))
+@pytest.mark.parametrize("feature", ("none", "causal", "window", "seqlens", "segments", "softcap", "alibi",
+                                     "alibi_batched_causal", "mask"))
 @pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5), (1e-20, 1e20, 1e-25, 1e25)),
                          ids=("unit", "spread", "extreme"))
 def test_gradients_are_those_of_float16_operands(feature, scales, monkeypatch):
@@ -133,7 +138,10 @@ def test_gradients_are_those_of_float16_operands(feature, scales, monkeypatch):
     the float32 backward (the scaled path ran)."""
     case = Case(batch=2, seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=64, seed=len(feature))
     q, k, v, d_o, d_lse = _inputs(case, scales)
-    kwargs = feature_kwargs(feature, case)
+    if feature == "mask":  # the masked form; fully hidden rows and blocks included
+        kwargs = {"mask": block_structured_mask((case.batch, 1, case.seqlen_q, case.seqlen_k), case.seed)}
+    else:
+        kwargs = feature_kwargs(feature, case)
     monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
     ours = _grads(q, k, v, d_o, d_lse, **kwargs)
     monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "0")

@@ -379,8 +379,8 @@ struct Sm90BackwardBuilt {
 };
 
 // float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients: the TF32-class backward of
-// float32 calls): only the Hopper backward's fused-dQ common form writes them, at d=64 and d=128 (jax_flash/
-// _ffi_calls.py _uses_half_operands_backward sends only such calls). Empty when it can run this call, else why not.
+// float32 calls): only the Hopper backward's fused-dQ forms write them, at d=64 and d=128 (jax_flash/_ffi_calls.py
+// _uses_half_operands_backward sends only such calls). Empty when they can run this call, else why not.
 constexpr int kFloat32GradientHeadDims[] = {64, 128};
 
 int sm90_float32_gradient_head_dim(int64_t head_dim) {
@@ -393,9 +393,6 @@ std::string sm90_float32_gradient_refusal(const AttentionBackwardParams& p) {
     return build_refusal("no sm_90a float32-gradient backward kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (std::string why = sm90_backward_refusal(p); !why.empty()) return why;
-  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.mask != nullptr) {
-    return "softcap, ALiBi and boolean masks have no float32-gradient form";
-  }
   if (p.dq_accum == nullptr || p.deterministic) return "it needs the fused dQ (a dq_accum workspace, not deterministic)";
   return {};
 }

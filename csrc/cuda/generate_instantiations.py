@@ -47,13 +47,14 @@ SM90_BACKWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "masked
 SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, BackwardForm::{form}>(const AttentionBackwardParams&, "
                       "bool, cudaStream_t);")
 # float16 operands with float32 gradients (sm90/backward_dispatch.h launch_float32_gradient_backward, the TF32-class
-# backward of float32 calls): the dispatcher and the fused-dQ common form's dK/dV pass.
+# backward of float32 calls): the dispatcher and the fused-dQ dK/dV pass of each kernel form.
 SM90_FLOAT32_GRADIENT_HEAD_DIMS = (64, 128)  # keep in step with jax_flash/_ffi_calls.py _HALF_OPERANDS_HEAD_DIMS
 SM90_FLOAT32_GRADIENT = {
     "": ("backward_dispatch.h",
          "std::string launch_float32_gradient_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);"),
-    "_common": ("backward_launch.h",
-                "std::string launch_float32_gradient_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);"),
+    **{f"_{name}": ("backward_launch.h", "std::string launch_float32_gradient_dkdv<{d}, BackwardForm::" + form +
+                    ">(const AttentionBackwardParams&, cudaStream_t);")
+       for name, form in SM90_BACKWARD_FORMS.items()},
 }
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",

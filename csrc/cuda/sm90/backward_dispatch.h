@@ -34,10 +34,10 @@
 namespace jax_flash::cuda::sm90 {
 
 // Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu and
-// backward_hdim{D}_fp16_f32grad_common.cu.
+// backward_hdim{D}_fp16_f32grad_{form}.cu.
 template <int kHeadDim, class Element, BackwardForm kForm>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
-template <int kHeadDim>
+template <int kHeadDim, BackwardForm kForm>
 std::string launch_float32_gradient_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
 
 // kZeroDqAccum: the fused dQ's workspace is zeroed by this pass (sm80/backward_row_kernels.h zero_dq_accum_of_row).
@@ -91,9 +91,9 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   return gemm_passes(false);
 }
 
-// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients): as launch_backward's fused-dQ
-// common form, with float32 dK and dV (stored from the accumulators, backward_key_block.h store_float_key_rows) and dQ
-// converted to float32. dispatch.cu routes here only calls that form runs (sm90_float32_gradient_refusal).
+// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients): as launch_backward's fused dQ,
+// every kernel form, with float32 dK and dV (stored from the accumulators, backward_key_block.h store_float_key_rows)
+// and dQ converted to float32. dispatch.cu routes here only calls it runs (sm90_float32_gradient_refusal).
 template <int kHeadDim>
 std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   using T = cutlass::half_t;
@@ -103,15 +103,20 @@ std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, c
   if (p.dq_accum == nullptr || p.deterministic || reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0) {
     return "sm90 backward: float32 gradients need the fused dQ (a 16-byte aligned dq_accum, not deterministic)";
   }
-  if (backward_form(p) != BackwardForm::kCommon) {
-    return "sm90 backward: float32 gradients only in the common form (no softcap, ALiBi or boolean mask)";
-  }
   if (std::string err = sm80::launch_softmax_d<T>(p, softmax_d_kernel<T, true>, stream, "sm90"); !err.empty()) {
     return err;
   }
+  const BackwardForm form = backward_form(p);
+  auto dkdv_pass = [&]() -> std::string {
+    if (form == BackwardForm::kMasked) return launch_float32_gradient_dkdv<kHeadDim, BackwardForm::kMasked>(p, stream);
+    if (form == BackwardForm::kTransforms) {
+      return launch_float32_gradient_dkdv<kHeadDim, BackwardForm::kTransforms>(p, stream);
+    }
+    return launch_float32_gradient_dkdv<kHeadDim, BackwardForm::kCommon>(p, stream);
+  };
   // The pre-pass zeroed the workspace: no memset.
-  return run_fused_dq(p, stream, /*count=*/0, [&] { return launch_float32_gradient_dkdv<kHeadDim>(p, stream); },
-                      dq_from_tiles_kernel<DkdvTraits<kHeadDim, T, float>>, dq_workspace_chunks(p), "sm90");
+  return run_fused_dq(p, stream, /*count=*/0, dkdv_pass, dq_from_tiles_kernel<DkdvTraits<kHeadDim, T, float>>,
+                      dq_workspace_chunks(p), "sm90");
 }
 
 }  // namespace jax_flash::cuda::sm90

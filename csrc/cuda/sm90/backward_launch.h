@@ -139,11 +139,11 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
 }
 
 // The fused-dQ dK/dV pass of float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the
-// TF32-class backward of float32 calls, jax_flash/_half_operands.py): the common form, d=64 and d=128
+// TF32-class backward of float32 calls, jax_flash/_half_operands.py) in kernel form kForm, d=64 and d=128
 // (backward_dispatch.h launch_float32_gradient_backward runs the rest).
-template <int kHeadDim>
+template <int kHeadDim, BackwardForm kForm>
 std::string launch_float32_gradient_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
-  return launch_dkdv_kernel<DkdvTraits<kHeadDim, cutlass::half_t, float>, BackwardForm::kCommon, true>(
+  return launch_dkdv_kernel<DkdvTraits<kHeadDim, cutlass::half_t, float>, kForm, true>(
       p, stream, "sm90 dK/dV kernel launch (float32 gradients)");
 }
 
