@@ -36,8 +36,9 @@ def expected(implementation: str, feature: str, causal: bool):
 
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("feature", ("none", "padding_mask", "softcap"))
-@pytest.mark.parametrize("implementation", ("jax_flash_tf32", "jax_flash_f32_highest", "jax_flash_f32_split",
-                                            "xla_f32_default", "xla_f32_highest", "jax_flash_sm80"))
+@pytest.mark.parametrize("implementation", ("jax_flash_tf32", "jax_flash_tf32_fp16ops", "jax_flash_f32_highest",
+                                            "jax_flash_f32_split", "xla_f32_default", "xla_f32_highest",
+                                            "jax_flash_sm80"))
 def test_rows_compute_their_feature(implementation, feature, causal):
     attend = bench.attention_fn(implementation, causal, feature, batch=BATCH, seqlen=SEQLEN)
     out = np.asarray(jax.jit(attend)(*inputs()), np.float64)
@@ -75,6 +76,32 @@ def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch
         assert workspace not in lowered["jax_flash_f32_highest"]
     for switch in switches:
         assert os.environ.get(switch) == setting
+
+
+@pytest.mark.parametrize("setting", (None, "0", "1"))
+def test_fp16ops_row_traces_its_backward_on_float16_operands(monkeypatch, setting):
+    """Under its kernel families the fp16ops row's backward call takes float16 operands (with float32 gradients),
+    the plain TF32 row's float32 ones, whatever the process's JAX_FLASH_SM90_TF32_BACKWARD_FP16; restored after."""
+    from jax_flash import _ffi_calls
+
+    switch = _ffi_calls.HALF_OPERANDS_BACKWARD_ENV
+    if setting is None:
+        monkeypatch.delenv(switch, raising=False)
+    else:
+        monkeypatch.setenv(switch, setting)
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 64), jnp.float32) for key in keys)  # a kernel head dim
+    operand_types = {}
+    for row in ("jax_flash_tf32_fp16ops", "jax_flash_tf32"):
+        with bench.kernel_families(row):
+            attend = bench.attention_fn(row, True)
+            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
+            text = jax.jit(step).lower(q, k, v).as_text()
+        (call,) = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
+        operand_types[row] = call.split(" : (")[1].split(") -> ")[0]
+    assert "xf16>" in operand_types["jax_flash_tf32_fp16ops"]
+    assert "xf16>" not in operand_types["jax_flash_tf32"]
+    assert os.environ.get(switch) == setting
 
 
 def test_short_calls_get_enough_repetitions_for_a_long_trial():
