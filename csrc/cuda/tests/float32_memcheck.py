@@ -3,7 +3,9 @@ tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
   XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 float32_memcheck.py
 (or --tool racecheck: device_run.sh's f32_memcheck and f32_racecheck stages). With JAX_FLASH_SM90_SPLIT_TF32=1 in
 the environment, the "highest" forwards of the common-form cases run the split-TF32 Hopper kernel instead, and with
-JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1 their backwards the split-TF32 Hopper passes.
+JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1 their backwards the split-TF32 Hopper passes; with
+JAX_FLASH_SM90_TF32_BACKWARD_FP16=1 the "tf32" backwards at head dims 64..128 (multiples of 8) run on scaled float16
+operands (the 16-bit Hopper backward's float32-gradient forms).
 Prints one line per case; finite outputs are checked so that a silent failure still shows."""
 import itertools
 
