@@ -279,8 +279,8 @@ def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
     (``_half_operands``: TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients):
     ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default: not yet run on a
     GPU), and what the 16-bit Hopper backward's fused-dQ forms take (csrc/cuda/dispatch.cu sm90_backward_refusal):
-    head_dim a multiple of 8 from 64 to 128, no bias or dropout, a positive scale, not deterministic, non-empty
-    sequences; softcap, ALiBi and boolean masks within those forms' 32-bit offsets (ALiBi distances below 2^30,
+    head_dim a multiple of 8 from 64 to 128, no bias or dropout, a positive scale, not deterministic nor with
+    JAX_FLASH_FUSED_DQ=0 (those kernels fuse dQ), non-empty sequences; softcap, ALiBi and boolean masks within those forms' 32-bit offsets (ALiBi distances below 2^30,
     mask strides below 2^23). On the GPU those kernels need compute capability 9.x (elsewhere the call fails with
     the handler's error); on the CPU the reference handler runs the same scaled float16 operands."""
     head_dim = q.shape[-1]
@@ -290,7 +290,7 @@ def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
     mask_fits = not dense.has_mask or seqlen_k + 1 < 2 ** 23  # query stride + key stride at most
     return (q.dtype == jnp.float32 and config.allow_tf32 and switch_on(HALF_OPERANDS_BACKWARD_ENV, default=False)
             and head_dim % 8 == 0 and _HALF_OPERANDS_HEAD_DIMS[0] <= head_dim <= _HALF_OPERANDS_HEAD_DIMS[-1]
-            and config.dropout_rate == 0 and not config.deterministic and not dense.has_bias
+            and config.dropout_rate == 0 and not config.deterministic and fused_dq_requested() and not dense.has_bias
             and config.softmax_scale > 0 and seqlen_q > 0 and seqlen_k > 0  # TMA descriptors need data
             and alibi_fits and mask_fits)
 

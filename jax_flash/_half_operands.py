@@ -15,9 +15,15 @@ computes each slice on its own, so a slice's factors need only agree within it),
   put below norm 2^4 and dO's so that the bound on |dS'| stays below 2^14.
 
 The kernel returns float32 gradients of the scaled operands (AttentionBackwardParams::float32_gradients), which
-this module scales back. What is lost against TF32: elements far below their slice's largest (about 2^-16 of it
-for dO, 2^-18 for v) are float16 subnormals, with fewer significant bits; the norm-wise error, which the tests
-bound, does not see them.
+this module scales back. What is lost against TF32 (limits of one power of two per slice and of the static softmax
+scale, documented in README):
+- elements far below their slice's largest (about 2^-16 of it for dO, 2^-18 for v) are float16 subnormals, with
+  fewer significant bits; the norm-wise error, which the tests bound, does not see them;
+- q and k share one factor: where the largest |q| |k| of a slice is below about 2^-20, q' and k' are both small
+  enough to lose bits as subnormals (dq and dk, relative to themselves, to ~1e-2 at elements of 1e-6), and above
+  2^30 they overflow float16 (inf gradients);
+- an lse cotangent far larger than |dO| |V| (by more than ~1000x) pushes dO' toward the subnormals, and dV, which it
+  does not enter, loses bits (2e-3 relative at 1e6x, on the CPU).
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def _slice_max_row_norm(x: jax.Array, heads_kv: int) -> jax.Array:
     return _times_power_of_two(norms, e)
 
 
-def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, d_o: jax.Array,
+def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, d_o: jax.Array,
                       d_lse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(s, e_v, e_do)``, int32 ``[..., Hkv]``, one per (batch row, KV head): that slice's q (its group of query
     heads) is scaled by 2^s and its k by 2^-s, its v and o by 2^e_v, its dO by 2^e_do. Per slice, since the kernel
@@ -76,9 +82,12 @@ def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, d_o: jax.Array,
     e_q = _exponent(_slice_max(q, heads_kv))
     e_k = _exponent(_slice_max(k, heads_kv))
     s = (e_k - e_q) // 2  # the largest |q'| and |k'| then lie within a factor of 4 of each other
-    e_v = _V_ROW_NORM_EXPONENT - _exponent(_slice_max_row_norm(v, heads_kv))
-    # 2^p (|dP'| + |D'|) <= 2^(p + e_do) c with c = 2 max|dO_i| max|V'_j| + 2^e_v max|dlse_i| (|O'_i| <= max|V'_j|
-    # < 2^4, and a factor 2 of margin for o's and the operands' roundings). In exponents, c's two terms are below
+    # o's rows are mixes of v's rows, except where the call sees one block of the keys while o and lse are the whole
+    # sequence's (ring attention's blocks, _ring.py): so the larger row norm of the two.
+    e_v = _V_ROW_NORM_EXPONENT - _exponent(jnp.maximum(_slice_max_row_norm(v, heads_kv),
+                                                        _slice_max_row_norm(o, heads_kv)))
+    # 2^p (|dP'| + |D'|) <= 2^(p + e_do) c with c = 2 max|dO_i| max(|V'_j|, |O'_i|) + 2^e_v max|dlse_i| (both norms
+    # < 2^4, and a factor 2 of margin for the operands' roundings). In exponents, c's two terms are below
     # 2^(e(max|dO_i|) + 1 + 4) and 2^(e(max|dlse_i|) + e_v), so c < 2^(larger + 1): integer arithmetic, which no
     # magnitude overflows.
     *lead, heads_q, seqlen_q = d_lse.shape
@@ -91,12 +100,12 @@ def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, d_o: jax.Array,
 
 def _power_of_two_factors(exponent: jax.Array) -> list[jax.Array]:
     """float32 powers of two whose product is 2^exponent (each a normal float32, so exact), for |exponent| up to
-    3 * 126: the elements are then scaled by float32 multiplications, which XLA fuses into the conversion at memory
+    4 * 126 (the gradients' exponents reach about 450 for operands near float32's subnormals): the elements are then scaled by float32 multiplications, which XLA fuses into the conversion at memory
     speed (``jnp.ldexp`` per element costs a frexp and integer arithmetic each). Applied in turn they move the
     value one way only, so no intermediate product leaves the range of a representable result."""
     factors = []
     remaining = exponent
-    for _ in range(3):
+    for _ in range(4):
         step = jnp.clip(remaining, -126, 126)
         factors.append(jnp.ldexp(jnp.float32(1.0), step))
         remaining = remaining - step
@@ -132,7 +141,7 @@ def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Ar
     """``(dq, dk, dv)`` float32 of a float32 call through ``call(q, k, v, o, lse, d_o, d_lse)``, the backward
     custom call on float16 operands with float32 gradients (its masks and attributes bound)."""
     d_lse = d_lse.astype(jnp.float32)
-    s, e_v, e_do = operand_exponents(q, k, v, d_o, d_lse)
+    s, e_v, e_do = operand_exponents(q, k, v, o, d_o, d_lse)
     p = PROBABILITY_SHIFT
     lse_shifted = lse - jnp.float32(p * np.log(2.0))
     dq, dk, dv = call(_half(q, s), _half(k, -s), _half(v, e_v), _half(o, e_v), lse_shifted, _half(d_o, e_do),
