@@ -184,6 +184,14 @@ def grads(q, k, v, d_o, implementation=None, d_lse=None, **kwargs):
     return jax.grad(_loss(attend, d_o, d_lse, jnp.float32), argnums=(0, 1, 2))(q, k, v)
 
 
+def backward_call_operand_types(loss, *args) -> list[str]:
+    """The operand types of each backward custom call in the jitted gradient of ``loss`` at ``args``, as written in
+    the lowered module (e.g. "tensor<2x17x4x64xf16>, ..."): which call a routing rule chose."""
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).as_text()
+    calls = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
+    return [call.split(" : (")[1].split(") -> ")[0] for call in calls]
+
+
 def bit_identical_runs(compute_grads, runs: int = 3) -> list:
     """Calls compute_grads() `runs` times and asserts every gradient equals the first run's bit for bit; returns the
     first run's gradients as float32 numpy arrays."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from attention_cases import backward_call_operand_types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -95,10 +96,7 @@ def test_fp16ops_row_traces_its_backward_on_float16_operands(monkeypatch, settin
     for row in ("jax_flash_tf32_fp16ops", "jax_flash_tf32"):
         with bench.kernel_families(row):
             attend = bench.attention_fn(row, True)
-            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
-            text = jax.jit(step).lower(q, k, v).as_text()
-        (call,) = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
-        operand_types[row] = call.split(" : (")[1].split(") -> ")[0]
+            (operand_types[row],) = backward_call_operand_types(lambda *a: jnp.sum(attend(*a)), q, k, v)
     assert "xf16>" in operand_types["jax_flash_tf32_fp16ops"]
     assert "xf16>" not in operand_types["jax_flash_tf32"]
     assert os.environ.get(switch) == setting

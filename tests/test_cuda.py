@@ -14,8 +14,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _ffi_calls
-from attention_cases import (FEATURES, Case, assert_within_bound, bit_identical_runs, block_structured_mask,
-                              feature_kwargs, grads, max_error, oracle, oracle_grads)
+from attention_cases import (FEATURES, Case, assert_within_bound, backward_call_operand_types, bit_identical_runs,
+                              block_structured_mask, feature_kwargs, grads, max_error, oracle, oracle_grads)
 
 
 def _gpus():
@@ -1163,7 +1163,17 @@ def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, fea
     monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 2)
+    assert_backward_takes_float16_operands(case, **feature_kwargs(feature, case))
     check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
+
+
+def assert_backward_takes_float16_operands(case: Case, **kwargs):
+    """The switch routed this call's backward to the float16-operand custom call (not a vacuous pass through the TF32
+    kernels, which meet the same bound)."""
+    def loss(q_, k_, v_):
+        return jnp.sum(jax_flash.attention(q_, k_, v_, **kwargs))
+    calls = backward_call_operand_types(loss, *_on(GPUS[0], *case.inputs()))
+    assert calls and all("xf16>" in call for call in calls), calls
 
 
 @pytest.mark.parametrize("head_dim", (64, 128), ids=lambda d: f"d{d}")
@@ -1179,6 +1189,7 @@ def test_float32_tf32_backward_on_float16_operands_forms(head_dim, feature, monk
         kwargs = {"mask": block_structured_mask((case.batch, 1, case.seqlen_q, case.seqlen_k), case.seed)}
     else:
         kwargs = feature_kwargs(feature, case)
+    assert_backward_takes_float16_operands(case, **kwargs)
     check_float32_on_gpu(case, "tf32", **kwargs)
 
 

@@ -11,8 +11,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _ffi_calls, _half_operands
-from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, block_structured_mask, feature_kwargs,
-                              max_error, oracle_grads)
+from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, backward_call_operand_types,
+                              block_structured_mask, feature_kwargs, max_error, oracle_grads)
 
 FLOAT16_MAX = 65504.0
 
@@ -95,13 +95,12 @@ def test_exponents_leave_zero_and_non_finite_tensors_unscaled():
 
 
 def _backward_gradient_dtypes(q, k, v, **kwargs):
-    """The (operand, gradient) dtypes of the backward custom call(s) in the jitted gradient of a float32 call."""
+    """"f16" or "f32" per backward custom call in the jitted gradient of a float32 call: its operands' type."""
     def loss(q_, k_, v_):
         return jnp.sum(jax_flash.attention(q_, k_, v_, **kwargs))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
-    calls = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
+    calls = backward_call_operand_types(loss, q, k, v)
     assert calls
-    return ["f16" if "xf16>" in line.split("=")[-1] else "f32" for line in calls], calls
+    return ["f16" if "xf16>" in call else "f32" for call in calls], calls
 
 
 @pytest.mark.parametrize("switch,kwargs,expected", (
