@@ -261,3 +261,22 @@ def test_an_lse_cotangent_larger_than_the_scores_gradients(monkeypatch):
     for name, g, g_exact, reference in zip(("dq", "dk", "dv"), ours, exact,
                                            oracle_grads(q, k, v, d_o, d_lse=d_lse)):
         assert_within_bound(name, g, g_exact, reference, jnp.float32, scale=4.0, tf32=True)
+
+
+@pytest.mark.parametrize("shape", ((1, 300, 8, 1, 64), (17, 17, 4, 2, 72), (257, 130, 6, 2, 128), (1000, 40, 2, 2, 96)),
+                         ids=("1x300-mqa", "17x17-gqa", "257x130-causal", "1000x40"))
+def test_odd_shapes_and_head_dims(shape, monkeypatch):
+    """One query, 17, 1000; GQA / MQA; head dims between the kernels' 64 and 128 (the GPU pads them to 128)."""
+    seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = shape
+    case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                seed=seqlen_q + head_dim)
+    q, k, v, d_o, d_lse = _inputs(case)
+    kwargs = {"causal": True} if seqlen_q == 257 else {}
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
+    assert _backward_gradient_dtypes(q, k, v, **kwargs)[0] == ["f16"]
+    ours = _grads(q, k, v, d_o, d_lse, **kwargs)
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "0")
+    exact = _grads(q, k, v, d_o, d_lse, **kwargs)
+    for name, g, g_exact, reference in zip(("dq", "dk", "dv"), ours, exact,
+                                           oracle_grads(q, k, v, d_o, d_lse=d_lse, **kwargs)):
+        assert_within_bound(name, g, g_exact, reference, jnp.float32, scale=4.0, tf32=True)
