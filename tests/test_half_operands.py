@@ -14,9 +14,6 @@ from jax_flash import _ffi_calls, _half_operands
 from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, backward_call_operand_types,
                               block_structured_mask, feature_kwargs, max_error, oracle_grads)
 
-FLOAT16_MAX = 65504.0
-
-
 def _grads(q, k, v, d_o, d_lse, **kwargs):
     """A fresh jitted gradient function (jit's trace cache does not know the switch, read when traced)."""
     def loss(q_, k_, v_):
@@ -32,25 +29,6 @@ def _inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0)):
     d_lse = jax.random.normal(keys[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
     q, k, v, d_o = (x * s for x, s in zip((q, k, v, d_o), scales))
     return q, k, v, d_o, d_lse
-
-
-def _scaled_score_grads(q, k, v, d_o, d_lse, softmax_scale):
-    """dS' = P' (dP' - D') of the scaled operands, as the kernel forms it (float64, no mask): its largest element
-    must stay in float16's range."""
-    o = jax_flash.attention(q, k, v, softmax_scale=softmax_scale, implementation="xla")
-    s, e_v, e_do = (np.asarray(e) for e in _half_operands.operand_exponents(q, k, v, o, d_o, d_lse))
-    group = q.shape[2] // k.shape[2]
-    q64, k64, v64, do64 = (np.asarray(x, np.float64) for x in (q, k, v, d_o))
-    k64, v64 = np.repeat(k64, group, axis=2), np.repeat(v64, group, axis=2)
-    per_query_head = lambda e: np.repeat(e, group, axis=-1)[:, :, None, None]  # noqa: E731  [B, Hq, 1, 1]
-    scores = np.einsum("bqhd,bkhd->bhqk", q64, k64) * softmax_scale
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    o = np.einsum("bhqk,bkhd->bqhd", probs, v64)
-    d_probs = np.einsum("bqhd,bkhd->bhqk", do64, v64)
-    softmax_d = np.einsum("bqhd,bqhd->bhq", do64, o) - np.asarray(d_lse, np.float64)
-    score_grads = probs * (d_probs - softmax_d[..., None])
-    return score_grads * 2.0 ** per_query_head(_half_operands.PROBABILITY_SHIFT + e_do + e_v)
 
 
 @pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-4, 3e3, 1e4, 1e-5), (30.0, 0.02, 1e-3, 5e3),
@@ -75,7 +53,8 @@ def test_scaled_operands_stay_in_float16_range(scales):
         k64 = np.repeat(np.asarray(k_, np.float64), case.heads_q // case.heads_kv, axis=2)
         return np.einsum("bqhd,bkhd->bhqk", np.asarray(q_, np.float64), k64)
     np.testing.assert_array_equal(scores(q_half, k_half), scores(q, k))  # powers of two: exact
-    score_grads = _scaled_score_grads(q, k, v, d_o, d_lse, 1.0 / np.sqrt(case.head_dim))
+    o, lse = jax_flash.attention(q, k, v, return_lse=True)
+    _, score_grads = _kernel_emulation(q, k, v, d_o, d_lse, lse, o, 1.0 / np.sqrt(case.head_dim), causal=False)
     largest = np.abs(score_grads).max(axis=(2, 3))  # per (batch row, query head)
     assert np.all(largest < 2.0 ** 14)
     # ... and not near float16's subnormals either (2^-14): the Cauchy-Schwarz bound is loose (here by ~2^9), but
@@ -283,9 +262,10 @@ def test_odd_shapes_and_head_dims(shape, monkeypatch):
 
 
 def _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal):
-    """The gradients the Hopper kernel computes from the module's operands, in float64 NumPy with the kernel's float16
-    roundings where it makes them: the operands, P' (the dV GEMM's register operand) and dS' (the dK and dQ GEMMs'
-    operand); S, dP and the sums exact (the tensor cores' float32 accumulation is not modelled)."""
+    """``((dq, dk, dv), dS')``: the gradients the Hopper kernel computes from the module's operands, in float64 NumPy
+    with the kernel's float16 roundings where it makes them: the operands, P' (the dV GEMM's register operand) and
+    dS' (the dK and dQ GEMMs' operand), which is also returned, [B, Hq, Sq, Sk] before its rounding; S, dP and the
+    sums exact (the tensor cores' float32 accumulation is not modelled)."""
     s, e_v, e_do = _half_operands.operand_exponents(q, k, v, o, d_o, d_lse)
     halves = [np.asarray(_half_operands._half(x, e), np.float64)
               for x, e in ((q, s), (k, -s), (v, e_v), (o, e_v), (d_o, e_do))]
@@ -313,9 +293,10 @@ def _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal):
     dk, dv = sum_groups(dk), sum_groups(dv)
     p = _half_operands.PROBABILITY_SHIFT
     exponent = p + e_do + e_v
-    return (np.asarray(_half_operands._scaled(jnp.asarray(dq, jnp.float32), -(exponent - s))),
-            np.asarray(_half_operands._scaled(jnp.asarray(dk, jnp.float32), -(exponent + s))),
-            np.asarray(_half_operands._scaled(jnp.asarray(dv, jnp.float32), -(p + e_do))))
+    grads = (np.asarray(_half_operands._scaled(jnp.asarray(dq, jnp.float32), -(exponent - s))),
+             np.asarray(_half_operands._scaled(jnp.asarray(dk, jnp.float32), -(exponent + s))),
+             np.asarray(_half_operands._scaled(jnp.asarray(dv, jnp.float32), -(p + e_do))))
+    return grads, score_grads
 
 
 @pytest.mark.parametrize("causal", (False, True))
@@ -328,7 +309,7 @@ def test_the_kernels_float16_roundings_stay_within_the_tf32_bound(scales, causal
     q, k, v, d_o, d_lse = _inputs(case, scales)
     softmax_scale = 1.0 / np.sqrt(case.head_dim)
     o, lse = jax_flash.attention(q, k, v, causal=causal, return_lse=True)
-    emulated = _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal)
+    emulated, _ = _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal)
     references = oracle_grads(q, k, v, d_o, d_lse=d_lse, causal=causal)
     exact = _grads(q, k, v, d_o, d_lse, causal=causal)
     for name, g, g_exact, reference in zip(("dq", "dk", "dv"), emulated, exact, references):
@@ -342,7 +323,7 @@ def test_the_probability_shift_keeps_long_sequences_within_the_bound():
     case = Case(batch=1, seqlen_q=4, seqlen_k=262144, heads_q=2, heads_kv=1, head_dim=64, seed=5)
     q, k, v, d_o, d_lse = _inputs(case, (1e-2, 1.0, 1.0, 1.0))
     o, lse = jax_flash.attention(q, k, v, return_lse=True)
-    emulated = _kernel_emulation(q, k, v, d_o, d_lse, lse, o, 1.0 / np.sqrt(case.head_dim), False)
+    emulated, _ = _kernel_emulation(q, k, v, d_o, d_lse, lse, o, 1.0 / np.sqrt(case.head_dim), False)
     references = oracle_grads(q, k, v, d_o, d_lse=d_lse)
     for name, g, reference in zip(("dq", "dk", "dv"), emulated, references):
         magnitude = float(np.max(np.abs(reference)))
