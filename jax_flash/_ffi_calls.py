@@ -268,9 +268,11 @@ def dkdv_tail_shape(k: jax.Array) -> tuple[int]:
 
 HALF_OPERANDS_BACKWARD_ENV = "JAX_FLASH_SM90_TF32_BACKWARD_FP16"
 
-# The head dims of the 16-bit Hopper backward's fused-dQ kernels built with float32 gradients (csrc/cuda/
-# generate_instantiations.py SM90_FLOAT32_GRADIENT_HEAD_DIMS): a call runs on the smallest that holds it.
-_HALF_OPERANDS_HEAD_DIMS = (64, 128)
+# The 16-bit Hopper backward's head dims (csrc/cuda/generate_instantiations.py SM90_BACKWARD_HEAD_DIMS, all built with
+# float32 gradients): a call runs on the smallest that holds it; softcap, ALiBi and masks only up to 128
+# (csrc/cuda/sm90/backward_form.h has_transforms_form).
+_HALF_OPERANDS_MAX_HEAD_DIM = 256
+_HALF_OPERANDS_MAX_FORMS_HEAD_DIM = 128
 
 
 def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
@@ -278,20 +280,23 @@ def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
     """Whether a float32 backward in the TF32 mode runs on float16 operands scaled by powers of two
     (``_half_operands``: TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients):
     ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default: not yet run on a
-    GPU), and what the 16-bit Hopper backward's fused-dQ forms take (csrc/cuda/dispatch.cu sm90_backward_refusal):
-    head_dim a multiple of 8 from 64 to 128, no bias or dropout, a positive scale, not deterministic nor with
-    JAX_FLASH_FUSED_DQ=0 (those kernels fuse dQ), non-empty sequences; softcap, ALiBi and boolean masks within those forms' 32-bit offsets (ALiBi distances below 2^30,
-    mask strides below 2^23). On the GPU those kernels need compute capability 9.x (elsewhere the call fails with
-    the handler's error); on the CPU the reference handler runs the same scaled float16 operands."""
+    GPU), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal): head_dim a
+    multiple of 8 up to 256, no bias or dropout, a positive scale, non-empty sequences; softcap, ALiBi and boolean
+    masks up to head_dim 128, within those forms' 32-bit offsets (ALiBi distances below 2^30, mask strides below
+    2^23). Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the GPU those kernels need
+    compute capability 9.x (elsewhere the call fails with the handler's error); on the CPU the reference handler
+    runs the same scaled float16 operands."""
     head_dim = q.shape[-1]
     seqlen_q, seqlen_k = q.shape[-3], k.shape[-3]
-    alibi_fits = (masks.alibi_slopes.shape[-1] == 0
-                  or abs(config.diagonal_offset) + 2 * (seqlen_q + seqlen_k) < 2 ** 30)
+    has_alibi = masks.alibi_slopes.shape[-1] > 0
+    per_element = has_alibi or dense.has_mask or config.softcap != 0
+    alibi_fits = not has_alibi or abs(config.diagonal_offset) + 2 * (seqlen_q + seqlen_k) < 2 ** 30
     mask_fits = not dense.has_mask or seqlen_k + 1 < 2 ** 23  # query stride + key stride at most
     return (q.dtype == jnp.float32 and config.allow_tf32 and switch_on(HALF_OPERANDS_BACKWARD_ENV, default=False)
-            and head_dim % 8 == 0 and _HALF_OPERANDS_HEAD_DIMS[0] <= head_dim <= _HALF_OPERANDS_HEAD_DIMS[-1]
-            and config.dropout_rate == 0 and not config.deterministic and fused_dq_requested() and not dense.has_bias
-            and config.softmax_scale > 0 and seqlen_q > 0 and seqlen_k > 0  # TMA descriptors need data
+            and head_dim % 8 == 0 and head_dim <= _HALF_OPERANDS_MAX_HEAD_DIM
+            and (not per_element or head_dim <= _HALF_OPERANDS_MAX_FORMS_HEAD_DIM)
+            and config.dropout_rate == 0 and not dense.has_bias and config.softmax_scale > 0
+            and seqlen_q > 0 and seqlen_k > 0  # TMA descriptors need data
             and alibi_fits and mask_fits)
 
 

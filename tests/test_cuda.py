@@ -1154,8 +1154,9 @@ def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkey
 # The TF32 mode's backward on scaled float16 operands (JAX_FLASH_SM90_TF32_BACKWARD_FP16=1, jax_flash/_half_operands.py:
 # the 16-bit Hopper backward's fused-dQ common form with float32 gradients) must meet the TF32 bound (gradients with
 # an lse cotangent, as every check_float32_on_gpu). The handler has no fallback for such a call (an error where that kernel cannot run it),
-# so a pass shows it computed these gradients. Head dims: the d=64 and d=128 kernels, 72 and 96 padded to 128.
-@pytest.mark.parametrize("head_dim", (64, 128, 72, 96), ids=lambda d: f"d{d}")
+# so a pass shows it computed these gradients. Head dims: every kernel's (d=96 / 192 / 256 through the separate dQ
+# pass, 256 the split-head-dim dK/dV consumer), and 72 padded to 96.
+@pytest.mark.parametrize("head_dim", (64, 128, 72, 96, 192, 256), ids=lambda d: f"d{d}")
 @HOPPER_FLOAT32_SHAPES
 def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
@@ -1165,6 +1166,22 @@ def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, fea
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 2)
     assert_backward_takes_float16_operands(case, **feature_kwargs(feature, case))
     check_float32_on_gpu(case, "tf32", **feature_kwargs(feature, case))
+
+
+@pytest.mark.parametrize("head_dim", (64, 128), ids=lambda d: f"d{d}")
+def test_float32_tf32_backward_on_float16_operands_deterministic(head_dim, monkeypatch):
+    """deterministic=True: the separate dQ pass with float32 dQ where d=64 / 128 otherwise fuse it; bit-identical
+    runs."""
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    case = Case(batch=2, seqlen_q=300, seqlen_k=777, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
+                seed=head_dim + 5)
+    assert_backward_takes_float16_operands(case, deterministic=True)
+    check_float32_on_gpu(case, "tf32", deterministic=True)
+    q, k, v = _on(GPUS[0], *case.inputs())
+    d_o = jax.device_put(jax.random.normal(jax.random.key(1), q.shape, jnp.float32), GPUS[0])
+    bit_identical_runs(lambda: grads(q, k, v, d_o, deterministic=True))
 
 
 def assert_backward_takes_float16_operands(case: Case, **kwargs):

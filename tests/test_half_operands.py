@@ -92,8 +92,8 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"mask": jnp.ones((2, 1, 33, 40), bool)}, "f16"),  # the masked form
     ("1", {"bias": jnp.zeros((2, 1, 33, 40))}, "f32"),  # no bias form
     ("1", {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, "f32"),
-    ("1", {"deterministic": True}, "f32"),  # fused dQ only
-    ("1", {"fused_dq": "0"}, "f32"),  # ... which JAX_FLASH_FUSED_DQ=0 turns off
+    ("1", {"deterministic": True}, "f16"),  # the separate dQ pass
+    ("1", {"fused_dq": "0"}, "f16"),  # likewise
 ))
 def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
     monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
@@ -105,12 +105,17 @@ def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, 
     assert kinds == [expected], calls
 
 
-@pytest.mark.parametrize("head_dim", (48, 136, 100))
-def test_head_dims_outside_the_kernels_keep_the_float32_call(head_dim, monkeypatch):
+@pytest.mark.parametrize("head_dim,kwargs,expected", (
+    (8, {}, "f16"), (48, {}, "f16"), (136, {}, "f16"), (256, {}, "f16"),
+    (100, {}, "f32"), (36, {}, "f32"),  # TMA rows: multiples of 8
+    (264, {}, "f32"),  # no kernel above 256
+    (192, {"softcap": 20.0}, "f32"), (256, {"causal": True}, "f16"),  # no transforms / masked form above 128
+))
+def test_head_dims_choose_the_half_operand_call(head_dim, kwargs, expected, monkeypatch):
     monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
     q, k, v = Case(seqlen_q=9, seqlen_k=9, head_dim=head_dim, seed=2).inputs()
-    kinds, calls = _backward_gradient_dtypes(q, k, v)
-    assert kinds == ["f32"], calls
+    kinds, calls = _backward_gradient_dtypes(q, k, v, **kwargs)
+    assert kinds == [expected], calls
 
 
 @pytest.mark.parametrize("feature", ("none", "causal", "window", "seqlens", "segments", "softcap", "alibi",
@@ -242,15 +247,18 @@ def test_an_lse_cotangent_larger_than_the_scores_gradients(monkeypatch):
         assert_within_bound(name, g, g_exact, reference, jnp.float32, scale=4.0, tf32=True)
 
 
-@pytest.mark.parametrize("shape", ((1, 300, 8, 1, 64), (17, 17, 4, 2, 72), (257, 130, 6, 2, 128), (1000, 40, 2, 2, 96)),
-                         ids=("1x300-mqa", "17x17-gqa", "257x130-causal", "1000x40"))
+@pytest.mark.parametrize("shape", ((1, 300, 8, 1, 64), (17, 17, 4, 2, 72), (257, 130, 6, 2, 128), (1000, 40, 2, 2, 96),
+                                   (33, 70, 4, 2, 192), (70, 33, 2, 1, 256), (20, 30, 2, 2, 40)),
+                         ids=("1x300-mqa", "17x17-gqa", "257x130-causal", "1000x40", "d192", "d256-causal",
+                              "d40-deterministic"))
 def test_odd_shapes_and_head_dims(shape, monkeypatch):
-    """One query, 17, 1000; GQA / MQA; head dims between the kernels' 64 and 128 (the GPU pads them to 128)."""
+    """One query, 17, 1000; GQA / MQA; head dims between the kernels' (the GPU pads them to the next one), the wide
+    ones (the split-head-dim dK/dV kernel and the separate dQ pass) and a deterministic call (the dQ pass too)."""
     seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = shape
     case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                 seed=seqlen_q + head_dim)
     q, k, v, d_o, d_lse = _inputs(case)
-    kwargs = {"causal": True} if seqlen_q == 257 else {}
+    kwargs = {"causal": True} if seqlen_q in (257, 70) else {"deterministic": True} if head_dim == 40 else {}
     monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "1")
     assert _backward_gradient_dtypes(q, k, v, **kwargs)[0] == ["f16"]
     ours = _grads(q, k, v, d_o, d_lse, **kwargs)

@@ -379,32 +379,14 @@ struct Sm90BackwardBuilt {
 };
 
 // float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients: the TF32-class backward of
-// float32 calls): only the Hopper backward's fused-dQ forms write them, at d=64 and d=128 (jax_flash/_ffi_calls.py
-// _uses_half_operands_backward sends only such calls). Empty when they can run this call, else why not.
-constexpr int kFloat32GradientHeadDims[] = {64, 128};
-
-int sm90_float32_gradient_head_dim(int64_t head_dim) {
-  const int d = smallest_at_least(kFloat32GradientHeadDims, head_dim);
-  return contains(kSm90BackwardHeadDims, d) ? d : 0;
-}
-
-std::string sm90_float32_gradient_refusal(const AttentionBackwardParams& p) {
-  if (sm90_float32_gradient_head_dim(p.head_dim) == 0) {
-    return build_refusal("no sm_90a float32-gradient backward kernel for head_dim " + std::to_string(p.head_dim));
-  }
-  if (std::string why = sm90_backward_refusal(p); !why.empty()) return why;
-  if (p.dq_accum == nullptr || p.deterministic) return "it needs the fused dQ (a dq_accum workspace, not deterministic)";
-  return {};
-}
-
+// float32 calls): only the Hopper backward writes them (every head dim and form it has, instantiated with float32
+// epilogues: sm90/backward_dispatch.h launch_float32_gradient_backward), so a call it cannot run is an error naming
+// why (jax_flash/_ffi_calls.py _uses_half_operands_backward sends only calls it runs; sm80 GPUs have none).
 std::string run_sm90_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
-  if (std::string why = sm90_float32_gradient_refusal(p); !why.empty()) {
+  if (std::string why = sm90_backward_refusal(p); !why.empty()) {
     return "float32 gradients of float16 operands (the Hopper backward's; JAX_FLASH_SM90_TF32_BACKWARD_FP16): " + why;
   }
-  struct Built {
-    constexpr bool operator()(int d) const { return (d == 64 || d == 128) && contains(kSm90BackwardHeadDims, d); }
-  };
-  return with_head_dim<Built>(sm90_float32_gradient_head_dim(p.head_dim), [&](auto dim) {
+  return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     return sm90::launch_float32_gradient_backward<decltype(dim)::value>(p, stream);
   });
 }

@@ -47,15 +47,12 @@ SM90_BACKWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "masked
 SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, BackwardForm::{form}>(const AttentionBackwardParams&, "
                       "bool, cudaStream_t);")
 # float16 operands with float32 gradients (sm90/backward_dispatch.h launch_float32_gradient_backward, the TF32-class
-# backward of float32 calls): the dispatcher and the fused-dQ dK/dV pass of each kernel form.
-SM90_FLOAT32_GRADIENT_HEAD_DIMS = (64, 128)  # keep in step with jax_flash/_ffi_calls.py _HALF_OPERANDS_HEAD_DIMS
-SM90_FLOAT32_GRADIENT = {
-    "": ("backward_dispatch.h",
-         "std::string launch_float32_gradient_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);"),
-    **{f"_{name}": ("backward_launch.h", "std::string launch_float32_gradient_dkdv<{d}, BackwardForm::" + form +
-                    ">(const AttentionBackwardParams&, cudaStream_t);")
-       for name, form in SM90_BACKWARD_FORMS.items()},
-}
+# backward of float32 calls): the dispatcher and the GEMM passes of each kernel form (not the transforms and masked
+# forms above d=128: backward_form.h has_transforms_form).
+SM90_FLOAT32_GRADIENT_HEAD_DIMS = SM90_BACKWARD_HEAD_DIMS  # keep in step with jax_flash/_ffi_calls.py
+SM90_FLOAT32_GRADIENT = "std::string launch_float32_gradient_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);"
+SM90_FLOAT32_GRADIENT_FORM = ("std::string launch_float32_gradient_passes<{d}, BackwardForm::{form}>("
+                              "const AttentionBackwardParams&, bool, cudaStream_t);")
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",
     "backward": "std::string launch_backward<{d}>(const AttentionBackwardParams&, cudaStream_t, Tf32Passes);",
@@ -124,9 +121,14 @@ def main() -> None:
                                        declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, form=form))
                 files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}_{name}.cu"] = text
     for d in SM90_FLOAT32_GRADIENT_HEAD_DIMS:
-        for suffix, (header, declaration) in SM90_FLOAT32_GRADIENT.items():
-            text = TEMPLATE.format(header=header, family="sm90", declaration=declaration.format(d=d))
-            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16_f32grad{suffix}.cu"] = text
+        text = TEMPLATE.format(header="backward_dispatch.h", family="sm90", declaration=SM90_FLOAT32_GRADIENT.format(d=d))
+        files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16_f32grad.cu"] = text
+        for name, form in SM90_BACKWARD_FORMS.items():
+            if name != "common" and d > 128:
+                continue
+            text = TEMPLATE.format(header="backward_launch.h", family="sm90",
+                                   declaration=SM90_FLOAT32_GRADIENT_FORM.format(d=d, form=form))
+            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16_f32grad_{name}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:
             text = TEMPLATE.format(header="launch.h", family="f32", declaration=declaration.format(d=d))

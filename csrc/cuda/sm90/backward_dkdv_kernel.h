@@ -488,7 +488,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   // Float32 gradients (of float16 operands) go straight from the accumulators to global memory instead.
   constexpr bool kFloatOut = !std::is_same_v<typename Traits::OutElement, T>;
   if constexpr (kFloatOut) {
-    store_float_key_rows<Traits>(p, kb, p.dv, mma_dkv, thread, acc_dv);
+    store_float_key_rows<kBlockN, kHeadDim>(p, kb, p.dv, mma_dkv, thread, acc_dv);
   } else {
     Tensor dv_out = sm80::converted<T>(acc_dv);
     store_accumulators(mma_dkv, thread, dv_out, sV);
@@ -497,7 +497,7 @@ __device__ __forceinline__ void consume_query_tiles(const AttentionBackwardParam
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   if constexpr (kFloatOut) {
-    store_float_key_rows<Traits>(p, kb, p.dk, mma_dkv, thread, acc_dk);
+    store_float_key_rows<kBlockN, kHeadDim>(p, kb, p.dk, mma_dkv, thread, acc_dk);
   } else {
     Tensor dk_out = sm80::converted<T>(acc_dk);
     store_accumulators(mma_dkv, thread, dk_out, sK);

@@ -11,6 +11,8 @@
 // consumer threads), i.e. after both have retired their dV/dK GEMMs of that item.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "../../common/attention_params.h"
@@ -135,18 +137,26 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
   // dP^T GEMMs (their only readers) retired before they met at the last item's dS^T barrier. Each warpgroup stages its
   // columns of dV and dK there; after a barrier all consumer threads store whole 16-byte row chunks.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
-  Tensor dv_out = sm80::converted<T>(acc_dv);
-  store_accumulators(mma_dkv, thread, dv_out,
-                     local_tile(sV, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-  Tensor dk_out = sm80::converted<T>(acc_dk);
-  store_accumulators(mma_dkv, thread, dk_out,
-                     local_tile(sK, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
-  named_barrier_sync(kSplitEpilogueBarrier, Traits::kConsumerThreads);
-  const int consumer_thread = threadIdx.x - 128;
-  store_key_rows<Traits>(p, kb, p.dk, &sK, 0, kBlockN, consumer_thread, Traits::kConsumerThreads);
-  store_key_rows<Traits>(p, kb, p.dv, &sV, 0, kBlockN, consumer_thread, Traits::kConsumerThreads);
+  // Float32 gradients (of float16 operands) go straight from the accumulators to global memory instead.
+  if constexpr (!std::is_same_v<typename Traits::OutElement, T>) {
+    store_float_key_rows<kBlockN, kDkvCols>(p, kb, p.dv, mma_dkv, thread, acc_dv, group * kDkvCols);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+    store_float_key_rows<kBlockN, kDkvCols>(p, kb, p.dk, mma_dkv, thread, acc_dk, group * kDkvCols);
+  } else {
+    Tensor dv_out = sm80::converted<T>(acc_dv);
+    store_accumulators(mma_dkv, thread, dv_out,
+                       local_tile(sV, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+    Tensor dk_out = sm80::converted<T>(acc_dk);
+    store_accumulators(mma_dkv, thread, dk_out,
+                       local_tile(sK, Shape<Int<kBlockN>, Int<kDkvCols>>{}, make_coord(0, group)));
+    named_barrier_sync(kSplitEpilogueBarrier, Traits::kConsumerThreads);
+    const int consumer_thread = threadIdx.x - 128;
+    store_key_rows<Traits>(p, kb, p.dk, &sK, 0, kBlockN, consumer_thread, Traits::kConsumerThreads);
+    store_key_rows<Traits>(p, kb, p.dv, &sV, 0, kBlockN, consumer_thread, Traits::kConsumerThreads);
+  }
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -209,10 +210,14 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   // warpgroup's own rows of Q (its GEMMs read only those and have retired) for 16-byte row stores.
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
-  Tensor dq_out = sm80::converted<T>(acc_dq);
-  copy(dq_out, thr_dq.partition_C(sQ));
-  named_barrier_sync(kDqEpilogueBarrier + group, 128);
-  store_query_rows<Traits>(p, rb, &sQ, group * 64, group * 64 + 64, thread % 128, 128);
+  if constexpr (!std::is_same_v<typename Traits::OutElement, T>) {  // float32 gradients: straight to global memory
+    store_float_query_rows<kBlockM, kHeadDim>(p, rb, mma_dq, thread, acc_dq);
+  } else {
+    Tensor dq_out = sm80::converted<T>(acc_dq);
+    copy(dq_out, thr_dq.partition_C(sQ));
+    named_barrier_sync(kDqEpilogueBarrier + group, 128);
+    store_query_rows<Traits>(p, rb, &sQ, group * 64, group * 64 + 64, thread % 128, 128);
+  }
 }
 
 template <class Traits, BackwardForm kForm>

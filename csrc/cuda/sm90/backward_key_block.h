@@ -103,24 +103,24 @@ __device__ void store_key_rows(const AttentionParams& p, const KeyBlock& kb, voi
   }
 }
 
-// Stores a consumer's float32 accumulator tile `acc` (the fragment of `mma`, whose tile is [kBlockN, kHeadDim], held by
-// consumer thread `thread`) straight into `out`, float32 dK or dV, leaving out rows past keys_in_bounds and columns
-// past head_dim: the float32 gradients of float16 operands (AttentionBackwardParams::float32_gradients), which the
+// Stores a float32 accumulator tile `acc` of a key block's dK or dV (the fragment of `mma`, whose tile is [kRows,
+// kCols]: the block's keys from its first, head-dim columns from col0, which the split-head-dim consumers take by
+// halves; held by its thread `thread`) straight into `out`, leaving out keys past keys_in_bounds and columns past
+// head_dim: the float32 gradients of float16 operands (AttentionBackwardParams::float32_gradients), which the
 // 16-bit K and V buffers are too small to stage. Each warp's store writes 4 bytes at every other float of eight
 // 32-byte row pieces (whole sectors once the neighbouring element's store lands); once per key block, so the
-// epilogue's share of the pass stays small.
-template <class Traits, class TiledMma, class Acc>
+// epilogue's share of the pass stays small. The addresses are formed here, after the coordinates: computed as
+// arguments by the caller instead, the d=128 fused-dQ kernel spilled 284 bytes (8 this way; ptxas, sm_90a).
+template <int kRows, int kCols, class TiledMma, class Acc>
 __device__ __forceinline__ void store_float_key_rows(const AttentionParams& p, const KeyBlock& kb, void* out,
-                                                     TiledMma const& mma, int thread, Acc const& acc) {
+                                                     TiledMma const& mma, int thread, Acc const& acc, int col0 = 0) {
   using namespace cute;
-  static_assert(std::is_same_v<typename Traits::OutElement, float>);
   const sm80::BshdShape kv_shape = sm80::key_shape(p);
-  Tensor coords = mma.get_thread_slice(thread).partition_C(
-      make_identity_tensor(Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}));
+  Tensor coords = mma.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
   float* base = static_cast<float*>(out) + kv_shape.offset(kb.batch, kb.n0, kb.head_kv);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) {
-    const int row = get<0>(coords(i)), col = get<1>(coords(i));
+    const int row = get<0>(coords(i)), col = col0 + get<1>(coords(i));
     if (row < kb.keys_in_bounds && col < p.head_dim) base[row * kv_shape.row_stride() + col] = acc(i);
   }
 }

@@ -138,15 +138,6 @@ std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
 }
 
-// The fused-dQ dK/dV pass of float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the
-// TF32-class backward of float32 calls, jax_flash/_half_operands.py) in kernel form kForm, d=64 and d=128
-// (backward_dispatch.h launch_float32_gradient_backward runs the rest).
-template <int kHeadDim, BackwardForm kForm>
-std::string launch_float32_gradient_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
-  return launch_dkdv_kernel<DkdvTraits<kHeadDim, cutlass::half_t, float>, kForm, true>(
-      p, stream, "sm90 dK/dV kernel launch (float32 gradients)");
-}
-
 // The dQ kernel of traits Traits (one CTA per query tile and head).
 template <class Traits, BackwardForm kForm>
 std::string launch_dq_kernel(const AttentionBackwardParams& p, cudaStream_t stream, const char* what) {
@@ -198,6 +189,26 @@ std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq
   }
   if (std::string err = launch_dkdv<kHeadDim, Element, kForm, false>(p, stream); !err.empty()) return err;
   return launch_dq<kHeadDim, Element, kForm>(p, stream);
+}
+
+// The GEMM passes of float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the
+// TF32-class backward of float32 calls, jax_flash/_half_operands.py) in kernel form kForm: with fused_dq the dK/dV
+// pass that also adds dQ into dq_accum (d=64, d=128), otherwise the dK/dV pass and the dQ pass
+// (backward_dispatch.h launch_float32_gradient_backward runs the rest).
+template <int kHeadDim, BackwardForm kForm>
+std::string launch_float32_gradient_passes(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream) {
+  using Dkdv = DkdvTraitsFor<kHeadDim, cutlass::half_t, float>;
+  constexpr const char* kDkdvLaunch = "sm90 dK/dV kernel launch (float32 gradients)";
+  if (fused_dq) {
+    if constexpr (has_fused_dq(kHeadDim)) {
+      return launch_dkdv_kernel<Dkdv, kForm, true>(p, stream, kDkdvLaunch);
+    } else {
+      return "sm90 backward: no fused dQ form for this head dim";
+    }
+  }
+  if (std::string err = launch_dkdv_kernel<Dkdv, kForm, false>(p, stream, kDkdvLaunch); !err.empty()) return err;
+  return launch_dq_kernel<DqTraits<kHeadDim, cutlass::half_t, float>, kForm>(
+      p, stream, "sm90 dQ kernel launch (float32 gradients)");
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -33,4 +33,21 @@ __device__ void store_query_rows(const AttentionBackwardParams& p, const RowBloc
   }
 }
 
+// Stores the float32 dQ accumulator tile `acc` (the fragment of `mma`, whose tile is [kRows, kCols]: the row block's
+// rows, held by its thread `thread`) straight into p.dq, leaving out rows past rows_in_bounds and columns past
+// head_dim: float32 gradients of float16 operands (backward_key_block.h store_float_key_rows says why and how).
+template <int kRows, int kCols, class TiledMma, class Acc>
+__device__ __forceinline__ void store_float_query_rows(const AttentionBackwardParams& p, const RowBlock& rb,
+                                                       TiledMma const& mma, int thread, Acc const& acc) {
+  using namespace cute;
+  const sm80::BshdShape q_shape = sm80::query_shape(p);
+  Tensor coords = mma.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+  float* base = static_cast<float*>(p.dq) + q_shape.offset(rb.batch, rb.m0, rb.head);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int row = get<0>(coords(i)), col = get<1>(coords(i));
+    if (row < rb.rows_in_bounds && col < p.head_dim) base[row * q_shape.row_stride() + col] = acc(i);
+  }
+}
+
 }  // namespace jax_flash::cuda::sm90

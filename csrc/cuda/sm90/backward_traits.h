@@ -69,7 +69,7 @@ constexpr auto transposed_stages(SmemLayout layout) {
 }
 
 // OutElement: dK's, dV's and the fused dQ's type, Element's or float32 (of float16 operands: AttentionBackwardParams::
-// float32_gradients; the fused-dQ common form only, backward_launch.h launch_float32_gradient_dkdv).
+// float32_gradients, backward_launch.h launch_float32_gradient_passes).
 template <int kHeadDim_, class Element_, class OutElement_ = Element_>
 struct DkdvTraits {
   using Element = Element_;
@@ -208,10 +208,11 @@ struct ScoresInSmemStorage {
 // Why split S^T along queries rather than give S^T to one warpgroup and dP^T to the other: each query column needs
 // its own lse and D only, so the halves stay independent until the store, and both warpgroups run the same
 // GEMMs and exps (balanced); the S^T / dP^T split would have to send P through shared memory before dS exists.
-template <int kHeadDim_, class Element_>
+template <int kHeadDim_, class Element_, class OutElement_ = Element_>  // OutElement: as DkdvTraits'
 struct DkdvSplitTraits {
   using Element = Element_;
-  using OutElement = Element;
+  using OutElement = OutElement_;
+  static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;
@@ -377,14 +378,16 @@ struct Tf32DkdvTraits {
 };
 
 // The dK/dV traits of a head dim: the tile table's split_head_dim picks the kernel form.
-template <int kHeadDim, class Element>
-using DkdvTraitsFor = std::conditional_t<dkdv_tile(kHeadDim).split_head_dim, DkdvSplitTraits<kHeadDim, Element>,
-                                         DkdvTraits<kHeadDim, Element>>;
+template <int kHeadDim, class Element, class OutElement = Element>
+using DkdvTraitsFor = std::conditional_t<dkdv_tile(kHeadDim).split_head_dim,
+                                         DkdvSplitTraits<kHeadDim, Element, OutElement>,
+                                         DkdvTraits<kHeadDim, Element, OutElement>>;
 
-template <int kHeadDim_, class Element_>
+template <int kHeadDim_, class Element_, class OutElement_ = Element_>  // OutElement (dQ's): as DkdvTraits'
 struct DqTraits {
   using Element = Element_;
-  using OutElement = Element;  // dQ
+  using OutElement = OutElement_;
+  static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
   static constexpr int kHeadDim = kHeadDim_;

@@ -25,8 +25,8 @@ std::string launch_split_tf32_forward(const AttentionParams& p, cudaStream_t str
 // Built head dims: the generated built_sm90_head_dims.h (CMakeLists.txt), read by dispatch.cu.
 template <int kHeadDim, class Element>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
-// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients; head dims 64 and 128, built
-// with the d=64 / d=128 backward): backward_dispatch.h.
+// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients; the built backward head dims):
+// backward_dispatch.h.
 template <int kHeadDim>
 std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
