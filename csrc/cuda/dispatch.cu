@@ -378,24 +378,15 @@ struct Sm90BackwardBuilt {
   constexpr bool operator()(int d) const { return contains(kSm90BackwardHeadDims, d); }
 };
 
-// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients: the TF32-class backward of
-// float32 calls): only the Hopper backward writes them (every head dim and form it has, instantiated with float32
-// epilogues: sm90/backward_dispatch.h launch_float32_gradient_backward), so a call it cannot run is an error naming
-// why (jax_flash/_ffi_calls.py _uses_half_operands_backward sends only calls it runs; sm80 GPUs have none).
-std::string run_sm90_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
-  if (std::string why = sm90_backward_refusal(p); !why.empty()) {
-    return "float32 gradients of float16 operands (the Hopper backward's; JAX_FLASH_SM90_TF32_BACKWARD_FP16): " + why;
-  }
-  return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
-    return sm90::launch_float32_gradient_backward<decltype(dim)::value>(p, stream);
-  });
-}
-
+// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the TF32-class backward of
+// float32 calls) have kernels of their own for every backward head dim and form, built whatever
+// JAX_FLASH_CUDA_FP16 says; the rest take the gradients' type from the operands.
 std::string run_sm90_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   return with_head_dim<Sm90BackwardBuilt>(sm90_backward_head_dim(p.head_dim), [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
+    if (p.float32_gradients) return sm90::launch_backward<kDim, cutlass::half_t, float>(p, stream);
     return with_half_element(p.element_type, [&](auto element) {
-      return sm90::launch_backward<kDim, decltype(element)>(p, stream);
+      return sm90::launch_backward<kDim, decltype(element), decltype(element)>(p, stream);
     });
   });
 }
@@ -446,7 +437,16 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
     if (cudaMemsetAsync(p.dbias, 0, dbias_bytes, stream) != cudaSuccess) return "cudaMemsetAsync of dbias failed";
   }
   if (p.batch == 0 || p.heads_q == 0) return {};  // empty seqlens still need zero dK/dV or dQ
-  if (p.float32_gradients) return run_sm90_float32_gradient_backward(p, stream);
+  // Float32 gradients of float16 operands: only the Hopper backward writes them (sm80 GPUs have no such kernels), so
+  // a call it cannot run is an error naming why (jax_flash/_ffi_calls.py _uses_half_operands_backward sends only
+  // calls it runs).
+  if (p.float32_gradients) {
+    if (std::string why = sm90_backward_refusal(p); !why.empty()) {
+      return "float32 gradients of float16 operands (the Hopper backward's; JAX_FLASH_SM90_TF32_BACKWARD_FP16): " +
+             why;
+    }
+    return run_sm90_backward(p, stream);
+  }
   if (p.element_type == ElementType::kFloat32) {
     bool use_sm90 = false;
     if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD",

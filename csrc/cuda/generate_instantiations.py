@@ -41,18 +41,14 @@ SM90_SPLIT_TF32_BACKWARD = {
     "dkdv": "std::string launch_split_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
     "dq": "std::string launch_split_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
-SM90_BACKWARD = "std::string launch_backward<{d}, {t}>(const AttentionBackwardParams&, cudaStream_t);"
+SM90_BACKWARD = "std::string launch_backward<{d}, {t}, {out}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
 SM90_BACKWARD_FORMS = {"common": "kCommon", "transforms": "kTransforms", "masked": "kMasked"}
-SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, BackwardForm::{form}>(const AttentionBackwardParams&, "
-                      "bool, cudaStream_t);")
-# float16 operands with float32 gradients (sm90/backward_dispatch.h launch_float32_gradient_backward, the TF32-class
-# backward of float32 calls): the dispatcher and the GEMM passes of each kernel form (not the transforms and masked
-# forms above d=128: backward_form.h has_transforms_form).
-SM90_FLOAT32_GRADIENT_HEAD_DIMS = SM90_BACKWARD_HEAD_DIMS  # keep in step with jax_flash/_ffi_calls.py
-SM90_FLOAT32_GRADIENT = "std::string launch_float32_gradient_backward<{d}>(const AttentionBackwardParams&, cudaStream_t);"
-SM90_FLOAT32_GRADIENT_FORM = ("std::string launch_float32_gradient_passes<{d}, BackwardForm::{form}>("
-                              "const AttentionBackwardParams&, bool, cudaStream_t);")
+SM90_BACKWARD_FORM = ("std::string launch_backward_form<{d}, {t}, BackwardForm::{form}, {out}>("
+                      "const AttentionBackwardParams&, bool, cudaStream_t);")
+# float16 operands with float32 gradients (the TF32-class backward of float32 calls): the same dispatcher and forms
+# with {out} float, every backward head dim, built whatever JAX_FLASH_CUDA_FP16 says (CMakeLists.txt).
+SM90_FLOAT32_GRADIENT = ("fp16_f32grad", "cutlass::half_t", "float")
 F32_DIRECTIONS = {
     "forward": "std::string launch_forward<{d}>(const AttentionParams&, cudaStream_t);",
     "backward": "std::string launch_backward<{d}>(const AttentionBackwardParams&, cudaStream_t, Tf32Passes);",
@@ -110,25 +106,17 @@ def main() -> None:
                                    declaration=declaration.format(d=d))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_tf32x3_{name}.cu"] = text
     for d in SM90_BACKWARD_HEAD_DIMS:
-        for short, cpp in ELEMENT_TYPES.items():
+        variants = [(short, cpp, cpp) for short, cpp in ELEMENT_TYPES.items()] + [SM90_FLOAT32_GRADIENT]
+        for short, cpp, out in variants:
             text = TEMPLATE.format(header="backward_dispatch.h", family="sm90",
-                                   declaration=SM90_BACKWARD.format(d=d, t=cpp))
+                                   declaration=SM90_BACKWARD.format(d=d, t=cpp, out=out))
             files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}.cu"] = text
             for name, form in SM90_BACKWARD_FORMS.items():
                 if name != "common" and d > 128:  # backward_form.h has_transforms_form: not the d=256 kernel
                     continue
                 text = TEMPLATE.format(header="backward_launch.h", family="sm90",
-                                       declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, form=form))
+                                       declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, form=form, out=out))
                 files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}_{name}.cu"] = text
-    for d in SM90_FLOAT32_GRADIENT_HEAD_DIMS:
-        text = TEMPLATE.format(header="backward_dispatch.h", family="sm90", declaration=SM90_FLOAT32_GRADIENT.format(d=d))
-        files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16_f32grad.cu"] = text
-        for name, form in SM90_BACKWARD_FORMS.items():
-            if name != "common" and d > 128:
-                continue
-            text = TEMPLATE.format(header="backward_launch.h", family="sm90",
-                                   declaration=SM90_FLOAT32_GRADIENT_FORM.format(d=d, form=form))
-            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16_f32grad_{name}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:
             text = TEMPLATE.format(header="launch.h", family="f32", declaration=declaration.format(d=d))

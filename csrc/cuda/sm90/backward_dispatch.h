@@ -33,12 +33,10 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu and
-// backward_hdim{D}_fp16_f32grad_{form}.cu.
-template <int kHeadDim, class Element, BackwardForm kForm>
+// Defined in backward_launch.h; instantiated by instantiations/backward_hdim{D}_{type}_{form}.cu (OutElement = Element)
+// and backward_hdim{D}_fp16_f32grad_{form}.cu (float16 operands, OutElement = float).
+template <int kHeadDim, class Element, BackwardForm kForm, class OutElement>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
-template <int kHeadDim, BackwardForm kForm>
-std::string launch_float32_gradient_passes(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream);
 
 // kZeroDqAccum: the fused dQ's workspace is zeroed by this pass (sm80/backward_row_kernels.h zero_dq_accum_of_row).
 template <class T, bool kZeroDqAccum>
@@ -53,7 +51,10 @@ __global__ void __launch_bounds__(kDqConvertThreads, 3) dq_from_tiles_kernel(con
   dq_from_tiles<Traits>(p);
 }
 
-template <int kHeadDim, class Element>
+// OutElement: dK's, dV's and dQ's type, Element (the 16-bit calls) or float (float16 operands with float32 gradients,
+// AttentionBackwardParams::float32_gradients: dK / dV stored from the accumulators, backward_key_block.h
+// store_float_key_rows; dQ converted to float32 from the fused dQ's workspace, or stored so by the dQ pass).
+template <int kHeadDim, class Element, class OutElement>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "sm90 backward: empty sequences (a TMA descriptor needs data)";
@@ -71,60 +72,22 @@ std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t strea
   auto gemm_passes = [&](bool fused_dq) -> std::string {
     if constexpr (has_transforms_form(kHeadDim)) {
       if (form == BackwardForm::kMasked) {
-        return launch_backward_form<kHeadDim, Element, BackwardForm::kMasked>(p, fused_dq, stream);
+        return launch_backward_form<kHeadDim, Element, BackwardForm::kMasked, OutElement>(p, fused_dq, stream);
       }
       if (form == BackwardForm::kTransforms) {
-        return launch_backward_form<kHeadDim, Element, BackwardForm::kTransforms>(p, fused_dq, stream);
+        return launch_backward_form<kHeadDim, Element, BackwardForm::kTransforms, OutElement>(p, fused_dq, stream);
       }
     } else if (form != BackwardForm::kCommon) {
       return "sm90 backward: no softcap/ALiBi/mask form at this head dim";
     }
-    return launch_backward_form<kHeadDim, Element, BackwardForm::kCommon>(p, fused_dq, stream);
+    return launch_backward_form<kHeadDim, Element, BackwardForm::kCommon, OutElement>(p, fused_dq, stream);
   };
   if constexpr (has_fused_dq(kHeadDim)) {
     if (use_fused_dq) {
       // The pre-pass zeroed the workspace: no memset.
       return run_fused_dq(p, stream, /*count=*/0, [&] { return gemm_passes(true); },
-                          dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element>>, dq_workspace_chunks(p), "sm90");
-    }
-  }
-  return gemm_passes(false);
-}
-
-// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients): launch_backward's passes with
-// float32 dK and dV (stored from the accumulators, backward_key_block.h store_float_key_rows) and dQ (converted to
-// float32 from the fused dQ's workspace, or stored so by the dQ pass). dispatch.cu routes here only calls these
-// kernels run (sm90_float32_gradient_refusal).
-template <int kHeadDim>
-std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream) {
-  using T = cutlass::half_t;
-  if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "sm90 backward: batch or heads beyond TMA coordinates";
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) return "sm90 backward: empty sequences (a TMA descriptor needs data)";
-  const bool use_fused_dq = has_fused_dq(kHeadDim) && p.dq_accum != nullptr && !p.deterministic &&
-                            reinterpret_cast<uintptr_t>(p.dq_accum) % 16 == 0;
-  auto softmax_d = softmax_d_kernel<T, false>;
-  if constexpr (has_fused_dq(kHeadDim)) {
-    if (use_fused_dq) softmax_d = softmax_d_kernel<T, true>;  // zeroes the workspace beside its reads
-  }
-  if (std::string err = sm80::launch_softmax_d<T>(p, softmax_d, stream, "sm90"); !err.empty()) return err;
-  const BackwardForm form = backward_form(p);
-  auto gemm_passes = [&](bool fused_dq) -> std::string {
-    if constexpr (has_transforms_form(kHeadDim)) {
-      if (form == BackwardForm::kMasked) {
-        return launch_float32_gradient_passes<kHeadDim, BackwardForm::kMasked>(p, fused_dq, stream);
-      }
-      if (form == BackwardForm::kTransforms) {
-        return launch_float32_gradient_passes<kHeadDim, BackwardForm::kTransforms>(p, fused_dq, stream);
-      }
-    } else if (form != BackwardForm::kCommon) {
-      return "sm90 backward: no softcap/ALiBi/mask form at this head dim";
-    }
-    return launch_float32_gradient_passes<kHeadDim, BackwardForm::kCommon>(p, fused_dq, stream);
-  };
-  if constexpr (has_fused_dq(kHeadDim)) {
-    if (use_fused_dq) {
-      return run_fused_dq(p, stream, /*count=*/0, [&] { return gemm_passes(true); },
-                          dq_from_tiles_kernel<DkdvTraits<kHeadDim, T, float>>, dq_workspace_chunks(p), "sm90");
+                          dq_from_tiles_kernel<DkdvTraits<kHeadDim, Element, OutElement>>, dq_workspace_chunks(p),
+                          "sm90");
     }
   }
   return gemm_passes(false);

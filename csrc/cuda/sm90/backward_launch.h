@@ -133,9 +133,10 @@ std::string launch_dkdv_kernel(const AttentionBackwardParams& p, cudaStream_t st
   return sm80::last_launch_error(what);
 }
 
-template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq>
+template <int kHeadDim, class Element, BackwardForm kForm, bool kFusedDq, class OutElement>
 std::string launch_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
-  return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element>, kForm, kFusedDq>(p, stream, "sm90 dK/dV kernel launch");
+  return launch_dkdv_kernel<DkdvTraitsFor<kHeadDim, Element, OutElement>, kForm, kFusedDq>(
+      p, stream, "sm90 dK/dV kernel launch");
 }
 
 // The dQ kernel of traits Traits (one CTA per query tile and head).
@@ -157,9 +158,9 @@ std::string launch_dq_kernel(const AttentionBackwardParams& p, cudaStream_t stre
   return sm80::last_launch_error(what);
 }
 
-template <int kHeadDim, class Element, BackwardForm kForm>
+template <int kHeadDim, class Element, BackwardForm kForm, class OutElement>
 std::string launch_dq(const AttentionBackwardParams& p, cudaStream_t stream) {
-  return launch_dq_kernel<DqTraits<kHeadDim, Element>, kForm>(p, stream, "sm90 dQ kernel launch");
+  return launch_dq_kernel<DqTraits<kHeadDim, Element, OutElement>, kForm>(p, stream, "sm90 dQ kernel launch");
 }
 
 // The TF32 dK/dV pass of a float32 call (Tf32DkdvTraits, the common form); f32/launch.h runs the softmax_d pre-pass
@@ -178,37 +179,19 @@ std::string launch_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream
 
 // The GEMM passes of one call in kernel form kForm (backward_form.h): with fused_dq, the dK/dV pass that also
 // adds dQ into the (zeroed) dq_accum workspace; otherwise the dK/dV pass and the dQ pass.
-template <int kHeadDim, class Element, BackwardForm kForm>
+template <int kHeadDim, class Element, BackwardForm kForm, class OutElement>
 std::string launch_backward_form(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream) {
   if (fused_dq) {
     if constexpr (has_fused_dq(kHeadDim)) {
-      return launch_dkdv<kHeadDim, Element, kForm, true>(p, stream);
+      return launch_dkdv<kHeadDim, Element, kForm, true, OutElement>(p, stream);
     } else {
       return "sm90 backward: no fused dQ form for this head dim";
     }
   }
-  if (std::string err = launch_dkdv<kHeadDim, Element, kForm, false>(p, stream); !err.empty()) return err;
-  return launch_dq<kHeadDim, Element, kForm>(p, stream);
-}
-
-// The GEMM passes of float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients, the
-// TF32-class backward of float32 calls, jax_flash/_half_operands.py) in kernel form kForm: with fused_dq the dK/dV
-// pass that also adds dQ into dq_accum (d=64, d=128), otherwise the dK/dV pass and the dQ pass
-// (backward_dispatch.h launch_float32_gradient_backward runs the rest).
-template <int kHeadDim, BackwardForm kForm>
-std::string launch_float32_gradient_passes(const AttentionBackwardParams& p, bool fused_dq, cudaStream_t stream) {
-  using Dkdv = DkdvTraitsFor<kHeadDim, cutlass::half_t, float>;
-  constexpr const char* kDkdvLaunch = "sm90 dK/dV kernel launch (float32 gradients)";
-  if (fused_dq) {
-    if constexpr (has_fused_dq(kHeadDim)) {
-      return launch_dkdv_kernel<Dkdv, kForm, true>(p, stream, kDkdvLaunch);
-    } else {
-      return "sm90 backward: no fused dQ form for this head dim";
-    }
+  if (std::string err = launch_dkdv<kHeadDim, Element, kForm, false, OutElement>(p, stream); !err.empty()) {
+    return err;
   }
-  if (std::string err = launch_dkdv_kernel<Dkdv, kForm, false>(p, stream, kDkdvLaunch); !err.empty()) return err;
-  return launch_dq_kernel<DqTraits<kHeadDim, cutlass::half_t, float>, kForm>(
-      p, stream, "sm90 dQ kernel launch (float32 gradients)");
+  return launch_dq<kHeadDim, Element, kForm, OutElement>(p, stream);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -69,7 +69,7 @@ constexpr auto transposed_stages(SmemLayout layout) {
 }
 
 // OutElement: dK's, dV's and the fused dQ's type, Element's or float32 (of float16 operands: AttentionBackwardParams::
-// float32_gradients, backward_launch.h launch_float32_gradient_passes).
+// float32_gradients, backward_dispatch.h launch_backward).
 template <int kHeadDim_, class Element_, class OutElement_ = Element_>
 struct DkdvTraits {
   using Element = Element_;

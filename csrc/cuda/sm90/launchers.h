@@ -23,12 +23,10 @@ std::string launch_split_tf32_forward(const AttentionParams& p, cudaStream_t str
 // The Hopper backward (backward_traits.h); dispatch.cu runs it on 9.x for the calls it supports
 // (sm90_backward_refusal), JAX_FLASH_CUDA_KERNEL_BACKWARD forces either family.
 // Built head dims: the generated built_sm90_head_dims.h (CMakeLists.txt), read by dispatch.cu.
-template <int kHeadDim, class Element>
+// OutElement: the gradients' type, Element, or float for float16 operands with float32 gradients
+// (AttentionBackwardParams::float32_gradients; built for every backward head dim whatever JAX_FLASH_CUDA_FP16 says).
+template <int kHeadDim, class Element, class OutElement>
 std::string launch_backward(const AttentionBackwardParams& p, cudaStream_t stream);
-// float16 operands with float32 gradients (AttentionBackwardParams::float32_gradients; the built backward head dims):
-// backward_dispatch.h.
-template <int kHeadDim>
-std::string launch_float32_gradient_backward(const AttentionBackwardParams& p, cudaStream_t stream);
 
 // The TF32 dK/dV and dQ passes of a float32 backward (head dims 64 and 128, built with the TF32 forward);
 // f32::launch_backward runs them in place of its own when dispatch.cu hands them over

@@ -2,5 +2,5 @@
 #include "../backward_launch.h"
 
 namespace jax_flash::cuda::sm90 {
-template std::string launch_float32_gradient_passes<128, BackwardForm::kMasked>(const AttentionBackwardParams&, bool, cudaStream_t);
+template std::string launch_backward_form<128, cutlass::half_t, BackwardForm::kMasked, float>(const AttentionBackwardParams&, bool, cudaStream_t);
 }  // namespace jax_flash::cuda::sm90

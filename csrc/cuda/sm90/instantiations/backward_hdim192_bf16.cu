@@ -2,5 +2,5 @@
 #include "../backward_dispatch.h"
 
 namespace jax_flash::cuda::sm90 {
-template std::string launch_backward<192, cutlass::bfloat16_t>(const AttentionBackwardParams&, cudaStream_t);
+template std::string launch_backward<192, cutlass::bfloat16_t, cutlass::bfloat16_t>(const AttentionBackwardParams&, cudaStream_t);
 }  // namespace jax_flash::cuda::sm90

@@ -2,5 +2,5 @@
 #include "../backward_launch.h"
 
 namespace jax_flash::cuda::sm90 {
-template std::string launch_backward_form<256, cutlass::bfloat16_t, BackwardForm::kCommon>(const AttentionBackwardParams&, bool, cudaStream_t);
+template std::string launch_backward_form<256, cutlass::bfloat16_t, BackwardForm::kCommon, cutlass::bfloat16_t>(const AttentionBackwardParams&, bool, cudaStream_t);
 }  // namespace jax_flash::cuda::sm90

@@ -2,5 +2,5 @@
 #include "../backward_launch.h"
 
 namespace jax_flash::cuda::sm90 {
-template std::string launch_float32_gradient_passes<96, BackwardForm::kTransforms>(const AttentionBackwardParams&, bool, cudaStream_t);
+template std::string launch_backward_form<96, cutlass::half_t, BackwardForm::kTransforms, float>(const AttentionBackwardParams&, bool, cudaStream_t);
 }  // namespace jax_flash::cuda::sm90
