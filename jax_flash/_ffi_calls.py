@@ -133,10 +133,36 @@ def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, confi
             and _fits_hopper_float32_tiles(q, config) and _is_common_form(masks, config, dense))
 
 
-def split_tf32_backward_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
-    """``[B, Hkv, per_head]`` float32 holding Q's, dO's, K's and V's hi and lo parts (csrc/common/tf32_workspace.h
-    split_tf32_backward_per_head): per (batch row, KV head) four times its query heads' ``G * Sq * D`` and its own
-    ``Sk * D``."""
+FLOAT16_PARTS_BACKWARD_ENV = "JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16"
+
+# The float16-parts backward's kernel head dim (csrc/cuda/generate_instantiations.py SM90_FLOAT16_PARTS_HEAD_DIMS).
+# Calls up to head_dim 64 keep split TF32 (about 2x XLA's "highest" there), rather than running half-empty tiles.
+_FLOAT16_PARTS_HEAD_DIM = 128
+_FLOAT16_PARTS_MIN_HEAD_DIM = 72
+
+
+def _uses_float16_parts_backward(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                                 dense: DenseOperands) -> bool:
+    """Whether a float32 backward with ``float32_precision="highest"`` runs on float16 hi and lo parts of operands
+    scaled by powers of two (``_half_operands``; csrc/cuda/sm90/float16_parts_backward_launch.h: the 16-bit Hopper
+    backward with three products per product, about float32's accuracy): ``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1``
+    (read when the backward is traced; off by default: not yet run on a GPU), head_dim a multiple of 8 from 72 to
+    128, the common form (no bias, mask, dropout, softcap or ALiBi, a positive scale), non-empty sequences. The call
+    then carries the float16-parts workspace in its ``dq_accum`` slot, which the CUDA handler takes as the sign to run
+    those kernels on compute capability 9.x (elsewhere the exact kernels run the same scaled operands); on the CPU
+    the reference handler does."""
+    head_dim = q.shape[-1]
+    return (q.dtype == jnp.float32 and not config.allow_tf32
+            and switch_on(FLOAT16_PARTS_BACKWARD_ENV, default=False)
+            and _FLOAT16_PARTS_MIN_HEAD_DIM <= head_dim <= _FLOAT16_PARTS_HEAD_DIM and head_dim % 8 == 0
+            and config.dropout_rate == 0 and _is_common_form(masks, config, dense)
+            and q.shape[-3] > 0 and k.shape[-3] > 0)
+
+
+def backward_parts_workspace_shape(q: jax.Array, k: jax.Array) -> tuple[int, int, int]:
+    """``[B, Hkv, per_head]`` (float32 for split TF32, float16 for float16 parts) holding Q's, dO's, K's and V's hi
+    and lo parts (csrc/common/tf32_workspace.h backward_parts_per_head): per (batch row, KV head) four times its
+    query heads' ``G * Sq * D`` and its own ``Sk * D``."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     group = heads_q // heads_kv
@@ -310,17 +336,24 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     queued kernels: ``rowsum(dO * O) - dlse`` (float32, one per query row), ``dq_accum``, in which the
     backward sums dQ over key tiles inside its dK/dV pass (see ``fused_dq_requested``), and with it
     ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise. On a float32 call ``dq_accum`` is instead
-    the split-TF32 workspace where ``_uses_split_tf32_backward_workspace``. Float32 calls in the TF32 mode may run
-    on scaled float16 operands instead (``_uses_half_operands_backward``).
+    a parts workspace: split TF32's where ``_uses_split_tf32_backward_workspace``, float16 parts' (of operands
+    scaled by ``_half_operands``) where ``_uses_float16_parts_backward``. Float32 calls in the TF32 mode may run on
+    scaled float16 operands instead (``_uses_half_operands_backward``).
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
-    if _uses_half_operands_backward(q, k, masks, config, dense):  # never with a bias, so never want_dbias
-        def call(q16: jax.Array, k16: jax.Array, v16: jax.Array, o16: jax.Array, lse_: jax.Array,
-                 d_o16: jax.Array, d_lse_: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            dq, dk, dv, _ = _backward_call(q16, k16, v16, o16, lse_, d_o16, d_lse_, masks, config, dense, False,
-                                           jnp.dtype(jnp.float32))
-            return dq, dk, dv
-        return _half_operands.backward(call, q, k, v, o, lse, d_o, d_lse)
+
+    def float32_gradients(q_: jax.Array, k_: jax.Array, v_: jax.Array, o_: jax.Array, lse_: jax.Array,
+                          d_o_: jax.Array, d_lse_: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        dq, dk, dv, _ = _backward_call(q_, k_, v_, o_, lse_, d_o_, d_lse_, masks, config, dense, False,
+                                       jnp.dtype(jnp.float32))
+        return dq, dk, dv
+
+    # Neither scaled route takes a bias, so neither wants dbias.
+    if _uses_half_operands_backward(q, k, masks, config, dense):
+        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse)
+    if _uses_float16_parts_backward(q, k, masks, config, dense):
+        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse,
+                                       operand_dtype=jnp.dtype(jnp.float32))
     dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias,
                                        jnp.dtype(q.dtype))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)
@@ -336,8 +369,10 @@ def _backward_call(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: 
     dq_accum: jax.ShapeDtypeStruct | jax.core.ShapedArray
     if fused_dq:
         dq_accum = _result(q, dq_workspace_shape(q), jnp.float32, dims=_DQ_WORKSPACE_DIMS)
+    elif _uses_float16_parts_backward(q, k, masks, config, dense):
+        dq_accum = _result(k, backward_parts_workspace_shape(q, k), jnp.float16, dims=(0, 2, 3))
     elif _uses_split_tf32_backward_workspace(q, masks, config, dense):
-        dq_accum = _result(k, split_tf32_backward_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
+        dq_accum = _result(k, backward_parts_workspace_shape(q, k), jnp.float32, dims=(0, 2, 3))
     else:
         dq_accum = jax.ShapeDtypeStruct((0,), jnp.float32)
     results = (

@@ -1,4 +1,6 @@
-"""The TF32-class backward of float32 calls on float16 operands (opt-in: ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1``).
+"""The TF32-class backward of float32 calls on float16 operands (opt-in: ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1``),
+and the scaling that the exact mode's backward on float16 parts shares (opt-in:
+``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1``; ``backward``'s ``operand_dtype``).
 
 Why float16: it keeps TF32's 11 significant bits, its tensor-core products run at twice TF32's rate, and the 16-bit
 Hopper backward reads its operands as they lie (TF32 WGMMAs take shared operands only K-major, which costs the TF32
@@ -124,10 +126,6 @@ def _scaled(x: jax.Array, exponent: jax.Array) -> jax.Array:
     return _times_power_of_two(grouped, exponent[..., None, :, None, None]).reshape(x.shape)
 
 
-def _half(x: jax.Array, exponent: jax.Array) -> jax.Array:
-    return _scaled(x, exponent).astype(jnp.float16)
-
-
 def _scaled_rows(x: jax.Array, exponent: jax.Array) -> jax.Array:
     """``x`` ``[..., Hq, Sq]`` (lse-shaped) times 2^exponent of its slice (``exponent`` ``[..., Hkv]``)."""
     *lead, heads_q, seqlen_q = x.shape
@@ -137,15 +135,25 @@ def _scaled_rows(x: jax.Array, exponent: jax.Array) -> jax.Array:
 
 
 def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,
-             d_o: jax.Array, d_lse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+             d_o: jax.Array, d_lse: jax.Array,
+             operand_dtype: np.dtype = np.dtype(np.float16)) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` float32 of a float32 call through ``call(q, k, v, o, lse, d_o, d_lse)``, the backward
-    custom call on float16 operands with float32 gradients (its masks and attributes bound)."""
+    custom call on the scaled operands with float32 gradients (its masks and attributes bound). The operands are
+    float16 (the TF32 mode), or with ``operand_dtype`` float32 the scaled float32 operands themselves, which the
+    float16-parts kernels split into float16 hi + lo parts (``float32_precision="highest"``,
+    csrc/cuda/sm90/float16_parts_backward_launch.h): the bounds above keep hi (and lo, about 2^-11 of it) in range
+    just the same. Scaling by powers of two is exact, so a kernel that computes in float32 (the CPU's) returns the
+    unscaled call's gradients to float32 rounding."""
     d_lse = d_lse.astype(jnp.float32)
     s, e_v, e_do = operand_exponents(q, k, v, o, d_o, d_lse)
     p = PROBABILITY_SHIFT
     lse_shifted = lse - jnp.float32(p * np.log(2.0))
-    dq, dk, dv = call(_half(q, s), _half(k, -s), _half(v, e_v), _half(o, e_v), lse_shifted, _half(d_o, e_do),
-                      _scaled_rows(d_lse, e_do + e_v))
+
+    def operand(x: jax.Array, exponent: jax.Array) -> jax.Array:
+        return _scaled(x, exponent).astype(operand_dtype)
+
+    dq, dk, dv = call(operand(q, s), operand(k, -s), operand(v, e_v), operand(o, e_v), lse_shifted,
+                      operand(d_o, e_do), _scaled_rows(d_lse, e_do + e_v))
     # dS' = 2^(p + e_do + e_v) dS; dQ' = scale dS' K' and dK' = scale dS'^T Q', dV' = P'^T dO'.
     score_grad_exponent = p + e_do + e_v
     return (_scaled(dq, -(score_grad_exponent - s)), _scaled(dk, -(score_grad_exponent + s)),

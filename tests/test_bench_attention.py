@@ -65,7 +65,7 @@ def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch
             monkeypatch.setenv(switch, setting)
     q, k, v = inputs()
     workspaces = ("tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k)),
-                  "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_backward_workspace_shape(q, k)))
+                  "tensor<{}x{}x{}xf32>".format(*_ffi_calls.backward_parts_workspace_shape(q, k)))
     lowered = {}
     for row in ("jax_flash_f32_split", "jax_flash_f32_highest"):
         with bench.kernel_families(row):

@@ -1272,6 +1272,56 @@ def test_float32_split_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypa
     bit_identical_runs(lambda: grads(q, k, v, d_o, float32_precision="highest"), runs=4)
 
 
+# The float16-parts backward (float32_precision="highest" with JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1: the 16-bit Hopper
+# backward on float16 hi and lo parts of scaled operands, three products per product; csrc/cuda/sm90/
+# float16_parts_backward_launch.h) must meet the exact mode's bound, gradients with an lse cotangent. Forcing sm90
+# (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD) makes a call those kernels cannot run an error, and the call is asserted to
+# carry the float16-parts workspace, so a pass shows they computed it. Head dims: the kernel's 128, and 72 / 96 / 104
+# zero-padded to it.
+@pytest.mark.parametrize("head_dim", (128, 72, 96, 104), ids=lambda d: f"d{d}")
+@HOPPER_FLOAT32_SHAPES
+def test_float32_highest_backward_on_float16_parts(head_dim, seqlens, heads, feature, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+    case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
+                head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 3)
+    assert_backward_has_float16_parts(case, **feature_kwargs(feature, case))
+    check_float32_on_gpu(case, "highest", **feature_kwargs(feature, case))
+
+
+def test_float32_highest_backward_on_float16_parts_long_sums_and_magnitudes(monkeypatch):
+    """2048 queries per key block and keys per query tile (the item-by-item partial sums), and operands far from 1 in
+    both directions (the scaling's powers of two): within the exact bound; bit-identical runs (no atomics)."""
+    if not _is_hopper():
+        pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    monkeypatch.setenv("JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
+    case = Case(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.float32,
+                seed=17)
+    assert_backward_has_float16_parts(case)
+    check_float32_on_gpu(case, "highest")
+    q, k, v = _on(GPUS[0], *case.inputs())
+    q, k, v = q * 1e-12, k * 1e12, v * 1e20
+    d_o = jax.device_put(jax.random.normal(jax.random.key(5), q.shape, jnp.float32) * 1e-15, GPUS[0])
+    ours = bit_identical_runs(lambda: grads(q, k, v, d_o, float32_precision="highest", causal=True), runs=3)
+    for name, g, reference in zip(("dq", "dk", "dv"), ours, oracle_grads(q, k, v, d_o, causal=True)):
+        assert max_error(g, reference) <= 2e-5 * float(np.max(np.abs(reference))), name
+
+
+def assert_backward_has_float16_parts(case: Case, **kwargs):
+    """The switch gave this call's backward the float16-parts workspace (not a vacuous pass through the exact
+    kernels, which meet the same bound)."""
+    def loss(q_, k_, v_):
+        return jnp.sum(jax_flash.attention(q_, k_, v_, float32_precision="highest", **kwargs))
+    q, k, v = _on(GPUS[0], *case.inputs())
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    workspace = "tensor<{}x{}x{}xf16>".format(*_ffi_calls.backward_parts_workspace_shape(q, k))
+    calls = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
+    assert calls and all(workspace in call for call in calls), calls
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
     """Many key tiles per CTA and both consumer warpgroups busy: where the thirteenth session's dQ pass released a

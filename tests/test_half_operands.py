@@ -275,7 +275,7 @@ def _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal):
     dS' (the dK and dQ GEMMs' operand), which is also returned, [B, Hq, Sq, Sk] before its rounding; S, dP and the
     sums exact (the tensor cores' float32 accumulation is not modelled)."""
     s, e_v, e_do = _half_operands.operand_exponents(q, k, v, o, d_o, d_lse)
-    halves = [np.asarray(_half_operands._half(x, e), np.float64)
+    halves = [np.asarray(_half_operands._scaled(x, e).astype(jnp.float16), np.float64)
               for x, e in ((q, s), (k, -s), (v, e_v), (o, e_v), (d_o, e_do))]
     q16, k16, v16, o16, do16 = halves
     lse_shifted = np.asarray(lse, np.float64) - _half_operands.PROBABILITY_SHIFT * np.log(2.0)

@@ -1,5 +1,5 @@
 """float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1: the backward call carries the split-TF32
-workspace in its dq_accum slot (csrc/common/tf32_workspace.h split_tf32_backward_per_head), sized from the operands
+workspace in its dq_accum slot (csrc/common/tf32_workspace.h backward_parts_per_head), sized from the operands
 the call really passes (GQA groups, vmapped batches), only for the common form the Hopper TF32 backward passes
 have, and the gradients stay within the exact mode's bound of the same call without the switch. On the CPU (CI)
 the handler checks the workspace's size and ignores it, so the two runs agree exactly; on a Hopper GPU
@@ -38,7 +38,7 @@ def _backward_line(call, *args):
 
 
 def _workspace_type(q, k):
-    return "tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_backward_workspace_shape(q, k))
+    return "tensor<{}x{}x{}xf32>".format(*_ffi_calls.backward_parts_workspace_shape(q, k))
 
 
 def _assert_within_exact_bound(split, exact):
@@ -149,7 +149,7 @@ def test_raw_backward_checks_the_split_workspace():
                                           **_ffi_calls._score_attributes(config), deterministic=False))[:3]
 
     per_head = 4 * (2 * 19 * 16 + 23 * 16)
-    assert _ffi_calls.split_tf32_backward_workspace_shape(q, k) == (2, 2, per_head)
+    assert _ffi_calls.backward_parts_workspace_shape(q, k) == (2, 2, per_head)
     split, plain = run((2, 2, per_head)), run((0,))
     if q.devices().pop().platform == "cpu":  # the CPU handler ignores the workspace
         for got, want in zip(split, plain):

@@ -123,6 +123,11 @@ struct AttentionBackwardParams : AttentionParams {
   // dq, dk and dv are float32 although q, k and v are float16: the TF32-class backward of float32 calls, which runs
   // on float16 operands scaled by powers of two (jax_flash/_half_operands.py) and needs its gradients unrounded.
   bool float32_gradients = false;
+  // A float32 call with float32_precision="highest" whose dq_accum slot is a float16 workspace (common/tf32_workspace.h
+  // backward_parts_per_head): its start, asking for the 16-bit Hopper backward on float16 hi and lo parts of the
+  // (scaled) float32 operands, three products per product (cuda/sm90/float16_parts_backward_launch.h); nullptr
+  // otherwise. The CPU kernels ignore it.
+  void* float16_parts = nullptr;
 
   ElementType gradient_type() const { return float32_gradients ? ElementType::kFloat32 : element_type; }
 };

@@ -35,15 +35,18 @@ constexpr int64_t split_tf32_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_
   return 2 * (tf32_vt_per_head(seqlen_k, head_dim) + group * seqlen_q * head_dim + seqlen_k * head_dim);
 }
 
-// One operand's two parts in a split-TF32 workspace: whole arrays shaped like the operand, hi then lo.
+// One operand's two parts in a parts workspace: whole arrays shaped like the operand, hi then lo. T: float for split
+// TF32, a 16-bit type for the float16 parts below.
+template <class T = float>
 struct OperandParts {
-  float* hi;
-  float* lo;
+  T* hi;
+  T* lo;
 };
 
-// The next operand's parts at *cursor, `count` floats each; moves the cursor past them.
-inline OperandParts next_operand_parts(float** cursor, int64_t count) {
-  const OperandParts parts{*cursor, *cursor + count};
+// The next operand's parts at *cursor, `count` elements each; moves the cursor past them.
+template <class T>
+OperandParts<T> next_operand_parts(T** cursor, int64_t count) {
+  const OperandParts<T> parts{*cursor, *cursor + count};
   *cursor += 2 * count;
   return parts;
 }
@@ -51,9 +54,9 @@ inline OperandParts next_operand_parts(float** cursor, int64_t count) {
 // The parts of a split-TF32 forward's workspace that starts at `base`, for `batch` (every leading dimension) x
 // heads_kv (batch rows, KV heads).
 struct SplitTf32Parts {
-  OperandParts vt;
-  OperandParts q;
-  OperandParts k;
+  OperandParts<> vt;
+  OperandParts<> q;
+  OperandParts<> k;
 };
 
 inline SplitTf32Parts split_tf32_parts(float* base, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
@@ -65,27 +68,32 @@ inline SplitTf32Parts split_tf32_parts(float* base, int64_t batch, int64_t seqle
           next_operand_parts(&cursor, batch * seqlen_k * heads_kv * head_dim)};
 }
 
-// The split-TF32 backward (its dq_accum workspace on a float32 call: cuda/sm90/split_tf32_backward_launch.h) holds
-// eight whole arrays one after the other: Q hi, Q lo, dO hi, dO lo (each shaped like q), K hi, K lo, V hi, V lo
-// (each shaped like k). Declared [*batch, heads_kv, per_head] like the forward's, with the same caveat: the
+// The backward's parts workspace (a float32 call's dq_accum slot) holds eight whole arrays one after the other: Q hi,
+// Q lo, dO hi, dO lo (each shaped like q), K hi, K lo, V hi, V lo (each shaped like k). Its element type says which
+// parts: float32, split TF32's (cuda/sm90/split_tf32_backward_launch.h); float16, the float16 parts of
+// float32_precision="highest" on the 16-bit Hopper backward (cuda/sm90/float16_parts_backward_launch.h: the same
+// hi + lo split with float16 parts, of operands the Python side scaled into float16's range,
+// jax_flash/_half_operands.py). Declared [*batch, heads_kv, per_head] like the forward's, with the same caveat: the
 // shape only sizes it.
-constexpr int64_t split_tf32_backward_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_t group, int64_t head_dim) {
+constexpr int64_t backward_parts_per_head(int64_t seqlen_q, int64_t seqlen_k, int64_t group, int64_t head_dim) {
   return 4 * (group * seqlen_q * head_dim + seqlen_k * head_dim);
 }
 
-struct SplitTf32BackwardParts {
-  OperandParts q;
-  OperandParts d_o;
-  OperandParts k;
-  OperandParts v;
+template <class T>
+struct BackwardOperandParts {
+  OperandParts<T> q;
+  OperandParts<T> d_o;
+  OperandParts<T> k;
+  OperandParts<T> v;
 };
 
-inline SplitTf32BackwardParts split_tf32_backward_parts(float* base, int64_t batch, int64_t seqlen_q,
-                                                        int64_t seqlen_k, int64_t heads_q, int64_t heads_kv,
-                                                        int64_t head_dim) {
+template <class T>
+BackwardOperandParts<T> backward_operand_parts(T* base, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                               int64_t heads_q, int64_t heads_kv, int64_t head_dim) {
   const int64_t q = batch * seqlen_q * heads_q * head_dim;
   const int64_t k = batch * seqlen_k * heads_kv * head_dim;
-  float* cursor = base;
+  T* cursor = base;
+  // Braced initialisers run in order: the parts follow one another as listed.
   return {next_operand_parts(&cursor, q), next_operand_parts(&cursor, q), next_operand_parts(&cursor, k),
           next_operand_parts(&cursor, k)};
 }

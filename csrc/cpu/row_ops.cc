@@ -57,9 +57,11 @@ void score_row(const SliceMask& mask, const ScoreSettings& settings, int64_t i, 
   }
 }
 
-// exp(x) for x <= 0, eight at a time: range reduction x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
-// for e^r (relative error about 2e-7), and 2^n built in the exponent bits. Inputs below -87 (including -inf)
-// give exactly 0.
+// exp(x), eight at a time: range reduction x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r
+// (relative error about 2e-7), and 2^n built in the exponent bits. Inputs below -87 (including -inf) give exactly
+// 0, above 88 infinity. Mostly x <= 0 (scores less their row's max or lse), but the scaled backwards shift lse
+// down (jax_flash/_half_operands.py: P' = 2^7 P), so x reaches 7 ln 2: n rounds to nearest on both sides of 0
+// (rounding it down there left r up to 1.5 ln2, where the polynomial is off by ~5e-5).
 JF_VECTOR_CLONES
 float exp_shifted_and_sum(float* row, int64_t n, float shift) {
   constexpr float kLog2e = 1.44269504088896341f;
@@ -70,9 +72,11 @@ float exp_shifted_and_sum(float* row, int64_t n, float shift) {
   for (; c + 8 <= n; c += 8) {
     const Float8 x = *reinterpret_cast<const UnalignedFloat8*>(row + c) - shift;
     const Int8 underflow = x < -87.0f;
-    const Float8 clamped = underflow ? Float8{} - 87.0f : x;
-    // Round to nearest by truncating y - 0.5 for y <= 0.
-    const Int8 n_int = __builtin_convertvector(clamped * kLog2e - 0.5f, Int8);
+    const Int8 overflow = x > 88.0f;
+    const Float8 clamped = underflow ? Float8{} - 87.0f : overflow ? Float8{} + 88.0f : x;
+    // Round to nearest by truncating y - 0.5 for y <= 0, y + 0.5 for y > 0.
+    const Float8 y = clamped * kLog2e;
+    const Int8 n_int = __builtin_convertvector(y + (y > 0.0f ? Float8{} + 0.5f : Float8{} - 0.5f), Int8);
     const Float8 n_float = __builtin_convertvector(n_int, Float8);
     const Float8 r = (clamped - n_float * kLn2High) - n_float * kLn2Low;
     Float8 p = Float8{} + 1.0f / 720.0f;
@@ -83,7 +87,9 @@ float exp_shifted_and_sum(float* row, int64_t n, float shift) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     const Int8 exponent_bits = (n_int + 127) << 23;
-    const Float8 e = underflow ? Float8{} : p * __builtin_bit_cast(Float8, exponent_bits);
+    const Float8 e = underflow ? Float8{}
+                     : overflow  ? Float8{} + std::numeric_limits<float>::infinity()
+                                 : p * __builtin_bit_cast(Float8, exponent_bits);
     *reinterpret_cast<UnalignedFloat8*>(row + c) = e;
     sum8 += e;
   }

@@ -287,36 +287,58 @@ std::string run_sm90_float32_forward(const AttentionParams& p, cudaStream_t stre
 // they can run the call: JAX_FLASH_CUDA_KERNEL_F32_BACKWARD unset or auto (the default since the fifteenth session's
 // H200 run: its tests pass, ~2x the mma.sync backward), sm90 to insist, sm80 to keep the mma.sync passes.
 
-// With float32_precision="highest" the split-TF32 workspace (jax_flash/_ffi_calls.py
-// _uses_split_tf32_backward_workspace, p.split_tf32) asks for the split-TF32 forms of those passes
-// (sm90/split_tf32_backward_launch.h); the rest of "highest" runs the exact float32 kernels.
+// With float32_precision="highest" a parts workspace asks for those passes on operands in parts: the split-TF32
+// workspace (jax_flash/_ffi_calls.py _uses_split_tf32_backward_workspace, p.split_tf32) for their split-TF32 forms
+// (sm90/split_tf32_backward_launch.h), the float16-parts one (_uses_float16_parts_backward, p.float16_parts) for the
+// 16-bit Hopper backward's passes on float16 parts (sm90/float16_parts_backward_launch.h, kernel head dim 128); the
+// rest of "highest" runs the exact float32 kernels.
 
-// Empty when the sm90 TF32 (or split-TF32) backward passes can run this float32 call, else why not.
+const char* sm90_float32_backward_name(const AttentionBackwardParams& p) {
+  if (p.float16_parts != nullptr) return "sm90 float16-parts backward";
+  return p.split_tf32 ? "sm90 split-TF32 backward" : "sm90 TF32 backward";
+}
+
+// Empty when the sm90 TF32 (split-TF32, float16-parts) backward passes can run this float32 call, else why not.
 std::string sm90_tf32_backward_refusal(const AttentionBackwardParams& p) {
-  if (!p.allow_tf32 && !p.split_tf32) {
-    return "float32_precision='highest' runs the exact float32 kernels (without the split-TF32 workspace)";
+  const bool float16_parts = p.float16_parts != nullptr;
+  if (!p.allow_tf32 && !p.split_tf32 && !float16_parts) {
+    return "float32_precision='highest' runs the exact float32 kernels (without a parts workspace)";
   }
   if (p.bias != nullptr || p.mask != nullptr || p.dropout_rate > 0.0f || p.dbias != nullptr || p.softcap > 0.0f ||
       p.alibi_slopes != nullptr || !(p.softmax_scale > 0.0f)) {
     return "bias, boolean mask, dropout, softcap, ALiBi and softmax_scale <= 0 run on the float32 kernels only";
   }
-  if (!sm90_tf32_built(p.head_dim)) {
+  if (float16_parts) {
+    if (p.head_dim > 128 || !contains(kSm90BackwardHeadDims, 128)) {
+      return build_refusal("no sm_90a float16-parts backward kernel for head_dim " + std::to_string(p.head_dim));
+    }
+  } else if (!sm90_tf32_built(p.head_dim)) {
     return build_refusal(std::string("no sm_90a ") + (p.split_tf32 ? "split-TF32" : "TF32") +
                          " backward kernel for head_dim " + std::to_string(p.head_dim));
   }
   if (current_device_major() != 9) return "the device is not compute capability 9.x";
-  if (p.head_dim % 4 != 0) return "head_dim must be a multiple of 4";  // TMA row strides, the split pre-pass
+  // TMA row strides (16 bytes: 4 floats, 8 float16 parts), the parts pre-pass's float4 loads.
+  if (p.head_dim % (float16_parts ? 8 : 4) != 0) {
+    return float16_parts ? "head_dim must be a multiple of 8" : "head_dim must be a multiple of 4";
+  }
   const void* operands[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv};
   for (const void* ptr : operands) {
     if (!aligned16(ptr)) return "q, k, v, dO, dq, dk and dv must be 16-byte aligned";
   }
   if (p.split_tf32 && !aligned16(p.tf32_vt)) return "the split-TF32 workspace must be 16-byte aligned";
+  if (float16_parts && !aligned16(p.float16_parts)) return "the float16-parts workspace must be 16-byte aligned";
   if (p.batch > INT32_MAX || p.heads_q > INT32_MAX) return "batch and heads must fit in 32 bits";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "a sequence length is 0 (a TMA descriptor needs a non-empty tensor)";
   return {};
 }
 
 f32::Tf32Passes sm90_tf32_passes(const AttentionBackwardParams& p) {
+  if (p.float16_parts != nullptr) {
+    if constexpr (contains(kSm90BackwardHeadDims, 128)) {
+      return {&sm90::launch_float16_parts_dkdv<128>, &sm90::launch_float16_parts_dq<128>};
+    }
+    return {};
+  }
   if (tf32_vt_head_dim(p.head_dim) == 64) {
     if constexpr (contains(kSm90HeadDims, 64)) {
       if (p.split_tf32) return {&sm90::launch_split_tf32_dkdv<64>, &sm90::launch_split_tf32_dq<64>};
@@ -449,8 +471,7 @@ std::string run_backward(const AttentionBackwardParams& p, cudaStream_t stream) 
   }
   if (p.element_type == ElementType::kFloat32) {
     bool use_sm90 = false;
-    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD",
-                                      p.split_tf32 ? "sm90 split-TF32 backward" : "sm90 TF32 backward",
+    if (std::string err = choose_sm90("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", sm90_float32_backward_name(p),
                                       /*unset_means_auto=*/true, [&] { return sm90_tf32_backward_refusal(p); },
                                       &use_sm90);
         !err.empty()) {

@@ -40,6 +40,11 @@ SM90_TF32_BACKWARD = {"dkdv": "std::string launch_tf32_dkdv<{d}>(const Attention
 SM90_SPLIT_TF32_BACKWARD = {
     "dkdv": "std::string launch_split_tf32_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
     "dq": "std::string launch_split_tf32_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
+# float32_precision="highest" on float16 parts (sm90/float16_parts_backward_launch.h): its head dims and passes.
+SM90_FLOAT16_PARTS_HEAD_DIMS = (128,)
+SM90_FLOAT16_PARTS_BACKWARD = {
+    "dkdv": "std::string launch_float16_parts_dkdv<{d}>(const AttentionBackwardParams&, cudaStream_t);",
+    "dq": "std::string launch_float16_parts_dq<{d}>(const AttentionBackwardParams&, cudaStream_t);"}
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # keep in step with sm90/backward_traits.h and CMakeLists.txt
 SM90_BACKWARD = "std::string launch_backward<{d}, {t}, {out}>(const AttentionBackwardParams&, cudaStream_t);"
 # The Hopper backward's kernel forms (sm90/backward_form.h), one translation unit each like the forward's.
@@ -117,6 +122,11 @@ def main() -> None:
                 text = TEMPLATE.format(header="backward_launch.h", family="sm90",
                                        declaration=SM90_BACKWARD_FORM.format(d=d, t=cpp, form=form, out=out))
                 files[root / "sm90" / "instantiations" / f"backward_hdim{d}_{short}_{name}.cu"] = text
+    for d in SM90_FLOAT16_PARTS_HEAD_DIMS:
+        for name, declaration in SM90_FLOAT16_PARTS_BACKWARD.items():
+            text = TEMPLATE.format(header="float16_parts_backward_launch.h", family="sm90",
+                                   declaration=declaration.format(d=d))
+            files[root / "sm90" / "instantiations" / f"backward_hdim{d}_fp16x3_{name}.cu"] = text
     for direction, declaration in F32_DIRECTIONS.items():
         for d in HEAD_DIMS:
             text = TEMPLATE.format(header="launch.h", family="f32", declaration=declaration.format(d=d))

@@ -202,23 +202,29 @@ ffi::Error decode_backward(const BackwardOperands& in, const MaskOperands& masks
       expect_buffer("softmax_d", out.softmax_d, ffi::DataType::F32, batch, {p->heads_q, p->seqlen_q}));
   // dq_accum: absent when empty, else the float32 workspace [*batch, heads_q, per head] (common/dq_workspace.h: its
   // layout inside belongs to the kernel family that runs; the size fits every family).
-  // A float32 call has no fused dQ: there a non-empty dq_accum is the split-TF32 backward's workspace (float32
-  // without allow_tf32, head_dim <= 128: [*batch, heads_kv, per head], common/tf32_workspace.h), which asks for the
-  // split-TF32 Hopper passes where they can run (the CPU kernels ignore it).
-  const bool split_tf32 = out.dq_accum.element_count() > 0 && p->element_type == ElementType::kFloat32;
-  if (split_tf32) {
+  // A float32 call has no fused dQ: there a non-empty dq_accum is a parts workspace (float32 without allow_tf32,
+  // head_dim <= 128: [*batch, heads_kv, per head], common/tf32_workspace.h backward_parts_per_head) whose type says
+  // which: float32, the split-TF32 Hopper passes'; float16, the float16-parts Hopper backward's. Each is asked for
+  // where it can run (the CPU kernels ignore both).
+  const bool parts_workspace = out.dq_accum.element_count() > 0 && p->element_type == ElementType::kFloat32;
+  if (parts_workspace) {
     if (p->allow_tf32 || p->head_dim > kTf32MaxHeadDim) {
-      return invalid("a float32 call's dq_accum is the split-TF32 workspace: only without allow_tf32 and with "
+      return invalid("a float32 call's dq_accum is a parts workspace: only without allow_tf32 and with "
                      "head_dim <= 128");
     }
+    const auto parts_type = out.dq_accum.element_type() == ffi::DataType::F16 ? ffi::DataType::F16
+                                                                              : ffi::DataType::F32;
     JF_RETURN_IF_ERROR(expect_buffer(
-        "dq_accum", out.dq_accum, ffi::DataType::F32, batch,
-        {p->heads_kv,
-         split_tf32_backward_per_head(p->seqlen_q, p->seqlen_k, p->heads_q / p->heads_kv, p->head_dim)}));
-    p->tf32_vt = static_cast<float*>(out.dq_accum.untyped_data());
-    p->split_tf32 = true;
+        "dq_accum", out.dq_accum, parts_type, batch,
+        {p->heads_kv, backward_parts_per_head(p->seqlen_q, p->seqlen_k, p->heads_q / p->heads_kv, p->head_dim)}));
+    if (parts_type == ffi::DataType::F16) {
+      p->float16_parts = out.dq_accum.untyped_data();
+    } else {
+      p->tf32_vt = static_cast<float*>(out.dq_accum.untyped_data());
+      p->split_tf32 = true;
+    }
   }
-  const bool wants_dq_accum = out.dq_accum.element_count() > 0 && !split_tf32;
+  const bool wants_dq_accum = out.dq_accum.element_count() > 0 && !parts_workspace;
   if (wants_dq_accum) {
     JF_RETURN_IF_ERROR(expect_buffer("dq_accum", out.dq_accum, ffi::DataType::F32, batch,
                                      {p->heads_q, dq_workspace_per_head(p->seqlen_q, p->head_dim)}));

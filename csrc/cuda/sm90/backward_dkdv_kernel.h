@@ -107,9 +107,9 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&kv_full, 2 * Traits::kKVBytes);
   copy(args.tma_k.with(kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
   copy(args.tma_v.with(kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-  // Split TF32: the lo parts of K and V on the same barrier (kKVBytes counts both parts), and below of each Q / dO
-  // tile on its stage's.
-  if constexpr (Traits::kSplitTf32) {
+  // Operands in parts (split TF32, float16 parts): the lo parts of K and V on the same barrier (kKVBytes counts both
+  // parts), and below of each Q / dO tile on its stage's.
+  if constexpr (Traits::kLowParts) {
     for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_k, smem.low.k.data()),
                                std::make_pair(&args.tma_lo.tma_v, smem.low.v.data())}) {
       auto [src, dst] = tma_load_pair(*tma, kv_shape, kb.head_kv, kb.batch, Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -136,7 +136,7 @@ __device__ void produce_dkdv_tiles(const BackwardArgs<Traits>& args, const KeyBl
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_q.with(*full), tQgQ(_, _, _, m_block), tQsQ(_, _, _, write.index()));
     copy(args.tma_do.with(*full), tdOgdO(_, _, _, m_block), tdOsdO(_, _, _, write.index()));
-    if constexpr (Traits::kSplitTf32) {
+    if constexpr (Traits::kLowParts) {
       for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_q, smem.low.q.data()),
                                  std::make_pair(&args.tma_lo.tma_do, smem.low.d_o.data())}) {
         auto [src, dst] = tma_load_pair(*tma, q_shape, head, kb.batch, Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 "the split-head-dim form has no transforms or masked form");
   static_assert(!Traits::kTf32 || (kForm == BackwardForm::kCommon && !kFusedDq),
                 "the TF32 form has no transforms, masked or fused-dQ form");
-  static_assert(!Traits::kSplitTf32 || Traits::kKvBuffers == 1, "split TF32's lo K/V have one buffer");
+  static_assert(!Traits::kLowParts || Traits::kKvBuffers == 1, "the lo parts of K and V have one buffer");
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   const AttentionBackwardParams& p = args.p;
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     prefetch_tma_descriptors(args.tma_q, args.tma_do, args.tma_k, args.tma_v);
-    if constexpr (Traits::kSplitTf32) {
+    if constexpr (Traits::kLowParts) {
       prefetch_tma_descriptors(args.tma_lo.tma_q, args.tma_lo.tma_do, args.tma_lo.tma_k, args.tma_lo.tma_v);
     }
     for (int buffer = 0; buffer < Traits::kKvBuffers; ++buffer) {

@@ -10,6 +10,9 @@
 //    then dQ += dS K by WGMMA with dS from registers and K^T (MN-major) from smem. The dQ GEMM of tile n runs
 //    while tile n+1's S and dP are issued; tile n's K/V stage is handed back once both have retired.
 // For float32 inputs (Tf32DqTraits) the same producer and entry drive backward_dq_tf32_consumer.h's consumers.
+// Float16 parts (Traits::kLowParts; float16_parts_backward_launch.h): Q, dO, K and V each also as a lo part in
+// shared memory, every GEMM as three (split_tf32_mma.h issue_wgmma_parts), dS split into float16 parts in
+// registers, and dQ summed key tile by key tile in a float32 partial (add_partial_sums).
 #pragma once
 
 #include <cmath>
@@ -32,6 +35,7 @@
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
 #include "masked_scores.h"
+#include "split_tf32_mma.h"
 #include "tma_shapes.h"
 #include "transformed_scores.h"
 
@@ -70,9 +74,9 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, 2 * Traits::kQBytes);
   copy(args.tma_q.with(smem.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
   copy(args.tma_do.with(smem.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
-  // Split TF32: the lo parts of Q and dO on the same barrier (kQBytes counts both parts), and below of each K / V
-  // tile on its stage's.
-  if constexpr (Traits::kSplitTf32) {
+  // Operands in parts (split TF32, float16 parts): the lo parts of Q and dO on the same barrier (kQBytes counts both
+  // parts), and below of each K / V tile on its stage's.
+  if constexpr (Traits::kLowParts) {
     for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_q, smem.low.q.data()),
                                std::make_pair(&args.tma_lo.tma_do, smem.low.d_o.data())}) {
       auto [src, dst] = tma_load_pair(*tma, q_shape, rb.head, rb.batch, Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -92,7 +96,7 @@ __device__ void produce_dq_tiles(const BackwardArgs<Traits>& args, const RowBloc
     auto* full = pipeline.producer_get_barrier(write);
     copy(args.tma_k.with(*full), tKgK(_, _, _, n_block), tKsK(_, _, _, write.index()));
     copy(args.tma_v.with(*full), tVgV(_, _, _, n_block), tVsV(_, _, _, write.index()));
-    if constexpr (Traits::kSplitTf32) {
+    if constexpr (Traits::kLowParts) {
       for (auto [tma, buffer] : {std::make_pair(&args.tma_lo.tma_k, smem.low.k.data()),
                                  std::make_pair(&args.tma_lo.tma_v, smem.low.v.data())}) {
         auto [src, dst] = tma_load_pair(*tma, kv_shape, rb.head_kv, rb.batch, Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -113,29 +117,37 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   using namespace cute;
   using T = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr bool kParts = Traits::kLowParts;
   const int thread = threadIdx.x - 128;  // among all consumer threads
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
   auto thr_dq = mma_dq.get_thread_slice(thread);
-  // Descriptors from the warpgroup's first thread and warp-uniform stages (fragments.h warp_uniform).
+  // Descriptors from the warpgroup's first thread and warp-uniform stages (fragments.h warp_uniform), for the
+  // storage `parts` (smem, or its lo parts): q, d_o A of S and dP; k, v B of S and dP and kt B of dQ
+  // (MMA, MMA_N, MMA_K, stage).
   const int descriptor_thread = warp_uniform(thread / 128 * 128);
   auto desc_sdp = mma_sdp.get_thread_slice(descriptor_thread);
-  Tensor frag_q = desc_sdp.partition_fragment_A(sQ);    // smem descriptors
-  Tensor frag_do = desc_sdp.partition_fragment_A(sdO);
-  Tensor frag_k = desc_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
-  Tensor frag_v = desc_sdp.partition_fragment_B(sV);
-  Tensor frag_kt = mma_dq.get_thread_slice(descriptor_thread).partition_fragment_B(sKt);  // (MMA, MMA_N, MMA_K, stage)
+  auto desc_dq = mma_dq.get_thread_slice(descriptor_thread);
+  auto operand_fragments = [&](auto& parts) {
+    return cute::make_tuple(
+        desc_sdp.partition_fragment_A(make_tensor(make_smem_ptr(parts.q.data()), typename Traits::SmemLayoutQ{})),
+        desc_sdp.partition_fragment_A(make_tensor(make_smem_ptr(parts.d_o.data()), typename Traits::SmemLayoutQ{})),
+        desc_sdp.partition_fragment_B(make_tensor(make_smem_ptr(parts.k.data()), typename Traits::SmemLayoutKV{})),
+        desc_sdp.partition_fragment_B(make_tensor(make_smem_ptr(parts.v.data()), typename Traits::SmemLayoutKV{})),
+        desc_dq.partition_fragment_B(make_tensor(make_smem_ptr(parts.k.data()), typename Traits::SmemLayoutKt{})));
+  };
+  auto [frag_q, frag_do, frag_k, frag_v, frag_kt] = operand_fragments(smem);
+  // Without parts, `low` is smem again and these are never read.
+  auto [frag_q_lo, frag_do_lo, frag_k_lo, frag_v_lo, frag_kt_lo] = operand_fragments(low_parts<kParts>(smem));
 
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
+  // Float16 parts: one key tile's dQ products, added to acc_dq once retired (unused otherwise).
+  Tensor partial_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor coords = sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   sm80::RowStats<kRows> stats;
@@ -147,6 +159,9 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
   // dS of the previous tile stays in these registers until its dQ GEMM has retired (the next tile's wait).
   Tensor score_grads = make_tensor_like<T>(acc_dp);
   Tensor score_grads_operand = make_tensor(score_grads.data(), accumulator_as_operand_a(score_grads.layout()));
+  Tensor score_grads_lo = make_tensor_like<T>(acc_dp);  // float16 parts: dS's lo part
+  Tensor score_grads_lo_operand =
+      make_tensor(score_grads_lo.data(), accumulator_as_operand_a(score_grads_lo.layout()));
   sm80::NoKeepBits no_dropout;  // the common variant never reads keep bits
 
   cutlass::arch::ClusterBarrier::wait(&smem.q_full, 0);
@@ -168,10 +183,15 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
       }
     }
     pipeline_kv.consumer_wait(read);
-    issue_wgmma<true>(mma_sdp, frag_q, frag_k(_, _, _, stage), acc_s);
-    issue_wgmma<true>(mma_sdp, frag_do, frag_v(_, _, _, stage), acc_dp);
+    issue_wgmma_parts<true, kParts>(mma_sdp, frag_q, frag_q_lo, frag_k(_, _, _, stage), frag_k_lo(_, _, _, stage),
+                                    acc_s);
+    issue_wgmma_parts<true, kParts>(mma_sdp, frag_do, frag_do_lo, frag_v(_, _, _, stage), frag_v_lo(_, _, _, stage),
+                                    acc_dp);
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ GEMM have retired
-    if (n_block != rb.key_tiles.end - 1) pipeline_kv.consumer_release(previous);
+    if (n_block != rb.key_tiles.end - 1) {
+      if constexpr (kParts) add_partial_sums(acc_dq, partial_dq);
+      pipeline_kv.consumer_release(previous);
+    }
 
     const auto scorer = sm80::ScoreTile<false>::make(p, rb.batch, rb.head);
     auto s_view = sm80_view(acc_s);
@@ -196,14 +216,20 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
       sm80::backward_scores<false, true>(scorer, p, no_dropout, s_view, dp_view, coords, stats, rb.m0, n0,
                                          to_log2);
     }
-    Tensor converted = sm80::converted<T>(acc_dp);
-    CUTE_UNROLL
-    for (int i = 0; i < size(score_grads); ++i) score_grads(i) = converted(i);
-    issue_wgmma<false>(mma_dq, score_grads_operand, frag_kt(_, _, _, stage), acc_dq);
+    if constexpr (kParts) {
+      split_registers(acc_dp, score_grads, score_grads_lo);
+    } else {
+      Tensor converted = sm80::converted<T>(acc_dp);
+      CUTE_UNROLL
+      for (int i = 0; i < size(score_grads); ++i) score_grads(i) = converted(i);
+    }
+    issue_wgmma_parts<kParts, kParts>(mma_dq, score_grads_operand, score_grads_lo_operand, frag_kt(_, _, _, stage),
+                                      frag_kt_lo(_, _, _, stage), gemm_target<kParts>(acc_dq, partial_dq));
     previous = read;
     ++read;
   }
   warpgroup_wait<0>();
+  if constexpr (kParts) add_partial_sums(acc_dq, partial_dq);
   pipeline_kv.consumer_release(previous);
 
   // Epilogue: dQ carries the softmax scale (transforms form: dS is d loss / d(scaled dot)); staged in this
@@ -238,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     prefetch_tma_descriptors(args.tma_q, args.tma_do, args.tma_k, args.tma_v);
-    if constexpr (Traits::kSplitTf32) {
+    if constexpr (Traits::kLowParts) {
       prefetch_tma_descriptors(args.tma_lo.tma_q, args.tma_lo.tma_do, args.tma_lo.tma_k, args.tma_lo.tma_v);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);

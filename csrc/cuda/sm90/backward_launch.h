@@ -23,6 +23,18 @@
 
 namespace jax_flash::cuda::sm90 {
 
+// The parts workspace of a backward call whose kernels read their operands in parts (common/tf32_workspace.h
+// backward_operand_parts), as the kernels' element type: split TF32's (float32) or the float16 parts'.
+template <class Traits>
+typename Traits::Element* parts_workspace(const AttentionBackwardParams& p) {
+  using T = typename Traits::Element;
+  if constexpr (Traits::kTf32) {
+    return reinterpret_cast<T*>(p.tf32_vt);
+  } else {
+    return static_cast<T*>(p.float16_parts);
+  }
+}
+
 // The four TMA descriptors of a backward kernel: Q and dO tiles of TmaQ's box, K and V tiles of TmaKV's box.
 template <class Traits, class QLayout, class KVLayout, int kQRows, int kKVRows>
 BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
@@ -36,9 +48,10 @@ BackwardArgs<Traits> backward_args(const AttentionBackwardParams& p) {
     return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor<Traits>(data, key_tma_shape(p)),
                          KVLayout{}, Shape<Int<kKVRows>, Int<kHeadDim>>{}, _1{});
   };
-  if constexpr (Traits::kSplitTf32) {  // the hi and lo parts the pre-pass wrote (split_tf32_backward_launch.h)
-    const SplitTf32BackwardParts parts = split_tf32_backward_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k,
-                                                                   p.heads_q, p.heads_kv, p.head_dim);
+  if constexpr (Traits::kLowParts) {  // the hi and lo parts the pre-pass wrote (split_tf32_backward_launch.h,
+                                      // float16_parts_backward_launch.h)
+    const auto parts = backward_operand_parts(parts_workspace<Traits>(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q,
+                                              p.heads_kv, p.head_dim);
     return {p,  q_tma(parts.q.hi), q_tma(parts.d_o.hi), kv_tma(parts.k.hi), kv_tma(parts.v.hi),
             {q_tma(parts.q.lo), q_tma(parts.d_o.lo), kv_tma(parts.k.lo), kv_tma(parts.v.lo)}};
   } else {

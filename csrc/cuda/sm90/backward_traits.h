@@ -58,6 +58,22 @@ constexpr BackwardTile dq_tile(int head_dim) {
   }
 }
 
+// The float16-parts kernels (float32_precision="highest" of float32 calls on scaled float16 hi and lo parts,
+// float16_parts_backward_launch.h): every shared operand twice, so at d=128 the dK/dV pass takes the split-head-dim
+// form (two consumers share 64 keys, each owns 64 of dK's and dV's columns and a float32 partial of each,
+// split_tf32_mma.h gemm_target) over 32-query stages: K, V hi + lo 64 KiB, three Q / dO stages hi + lo 96 KiB, P^T
+// and dS^T hi + lo, two buffers, 32 KiB (192 KiB); S^T, dP^T 8 floats each, dK, dV 32 and their partials 32 each.
+// The dQ pass: 128 query rows, Q and dO hi + lo 128 KiB, two 32-key K / V stages hi + lo 64 KiB (192 KiB); S, dP 16
+// floats each, dQ 64 and its partial 64, dS hi and lo as register operands 8 + 8.
+constexpr BackwardTile float16_parts_dkdv_tile(int head_dim) {
+  (void)head_dim;  // 128 only (DkdvSplitTraits' static_asserts)
+  return {32, 64, 3, true};
+}
+constexpr BackwardTile float16_parts_dq_tile(int head_dim) {
+  (void)head_dim;
+  return {128, 32, 2};
+}
+
 // The same bytes as an [cols, rows, stages] MN-major operand: the transposed B of dV += P^T dO, dK += dS^T Q and
 // dQ += dS K.
 template <class SmemLayout>
@@ -77,6 +93,7 @@ struct DkdvTraits {
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
+  static constexpr bool kLowParts = false;  // operands as hi and lo parts (split TF32, float16 parts)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
@@ -201,6 +218,35 @@ struct ScoresInSmemStorage {
   alignas(8) uint64_t kv_empty[1];  // unused: these kernels run one key block per CTA (backward_dkdv_kernel.h)
 };
 
+// Operands in parts (split TF32, float16 parts): the hi parts' storage plus `low`, the lo parts of the same operands
+// under the same names (so that split_tf32_mma.h low_parts(smem) is either `low` or, without parts, the storage
+// itself).
+template <class HiStorage, class LowParts>
+struct WithLowParts : HiStorage {
+  LowParts low;
+};
+template <class Element, class SmemLayoutKV, class SmemLayoutQ, class SmemLayoutScoresT>
+struct DkdvLowParts {
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> probs;
+  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> score_grads;
+};
+// The dQ passes' lo parts: Q, dO, K and V (the float16-parts pass keeps dS in registers), and the TF32 pass's dS tile.
+template <class Element, class SmemLayoutQ, class SmemLayoutKV>
+struct DqOperandLowParts {
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+};
+template <class Element, class SmemLayoutQ, class SmemLayoutKV, class SmemLayoutDs>
+struct DqLowParts : DqOperandLowParts<Element, SmemLayoutQ, SmemLayoutKV> {
+  cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> score_grads;
+};
+
 // The split-head-dim dK/dV kernel (d=256, backward_dkdv_split_consumer.h): both consumer warpgroups share the CTA's
 // kBlockN = 64 keys. Per query tile, warpgroup g computes S^T and dP^T for its half of the block_m queries, forms
 // P^T and dS^T, and stores them into shared memory; after a barrier both use the whole tiles as SS operands of
@@ -208,15 +254,21 @@ struct ScoresInSmemStorage {
 // Why split S^T along queries rather than give S^T to one warpgroup and dP^T to the other: each query column needs
 // its own lse and D only, so the halves stay independent until the store, and both warpgroups run the same
 // GEMMs and exps (balanced); the S^T / dP^T split would have to send P through shared memory before dS exists.
-template <int kHeadDim_, class Element_, class OutElement_ = Element_>  // OutElement: as DkdvTraits'
-struct DkdvSplitTraits {
+// kLowParts: the float16-parts form (float16_parts_dkdv_tile): each shared operand also as a lo part (`low`), each
+// GEMM as three (split_tf32_mma.h issue_wgmma_parts), dK and dV summed item by item in float32 partials.
+template <int kHeadDim_, class Element_, class OutElement_ = Element_, bool kLowParts_ = false>
+struct DkdvSplitTraits {  // OutElement: as DkdvTraits'
   using Element = Element_;
   using OutElement = OutElement_;
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
+  static constexpr bool kLowParts = kLowParts_;
+  static_assert(!kLowParts || (std::is_same_v<Element, cutlass::half_t> && std::is_same_v<OutElement, float> &&
+                               kHeadDim_ == 128));
+  static constexpr int kOperandParts = kLowParts ? 2 : 1;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
+  static constexpr BackwardTile kTile = kLowParts ? float16_parts_dkdv_tile(kHeadDim) : dkdv_tile(kHeadDim);
   static_assert(kTile.split_head_dim, "use DkdvTraits");
   static constexpr bool kSplitHeadDim = true;
   static constexpr int kKvBuffers = 1;
@@ -259,10 +311,13 @@ struct DkdvSplitTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;   // Q and dO tiles, one barrier per stage for both
   using StatsPipeline = cutlass::PipelineAsync<kStages>;  // lse / softmax_d of the same tiles, filled by a warp
   using PipelineState = typename Pipeline::PipelineState;
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  // Bytes of one load of a Q (dO) tile and of K (V): with kLowParts both parts, on one barrier.
+  static constexpr uint32_t kQBytes = kOperandParts * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kOperandParts * kBlockN * kHeadDim * sizeof(Element);
 
-  using SharedStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS, kStages, kBlockM>;
+  using HiStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS, kStages, kBlockM>;
+  using SharedStorage = std::conditional_t<
+      kLowParts, WithLowParts<HiStorage, DkdvLowParts<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS>>, HiStorage>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -291,36 +346,13 @@ constexpr BackwardTile tf32_dkdv_tile(int head_dim, bool split) {
                         : BackwardTile{32, 128, 2};   // 128 + 64 + 32 KiB; 16 + 16 + 64 + 64 (+ 32) floats
 }
 
-// Split TF32: the hi parts' storage plus `low`, the lo parts of the same operands under the same names (so that
-// split_tf32_mma.h low_parts(smem) is either `low` or, without split TF32, the storage itself).
-template <class HiStorage, class LowParts>
-struct WithLowParts : HiStorage {
-  LowParts low;
-};
-template <class Element, class SmemLayoutKV, class SmemLayoutQ, class SmemLayoutScoresT>
-struct DkdvLowParts {
-  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
-  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> probs;
-  cute::array_aligned<Element, cosize_v<SmemLayoutScoresT>, 1024> score_grads;
-};
-template <class Element, class SmemLayoutQ, class SmemLayoutKV, class SmemLayoutDs>
-struct DqLowParts {
-  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-  cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
-  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-  cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-  cute::array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> score_grads;
-};
-
 template <int kHeadDim_, bool kSplitTf32_ = false>
 struct Tf32DkdvTraits {
   using Element = cutlass::tfloat32_t;  // float32 bits; the tensor cores read the TF32 part
   using OutElement = float;
   static constexpr bool kTf32 = true;
   static constexpr bool kSplitTf32 = kSplitTf32_;
+  static constexpr bool kLowParts = kSplitTf32;
   static constexpr int kOperandParts = kSplitTf32 ? 2 : 1;
   static constexpr bool kSplitHeadDim = false;
   static constexpr int kKvBuffers = 1;
@@ -383,15 +415,19 @@ using DkdvTraitsFor = std::conditional_t<dkdv_tile(kHeadDim).split_head_dim,
                                          DkdvSplitTraits<kHeadDim, Element, OutElement>,
                                          DkdvTraits<kHeadDim, Element, OutElement>>;
 
-template <int kHeadDim_, class Element_, class OutElement_ = Element_>  // OutElement (dQ's): as DkdvTraits'
+// OutElement (dQ's): as DkdvTraits'. kLowParts: the float16-parts form (float16_parts_dq_tile), as DkdvSplitTraits'.
+template <int kHeadDim_, class Element_, class OutElement_ = Element_, bool kLowParts_ = false>
 struct DqTraits {
   using Element = Element_;
   using OutElement = OutElement_;
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
   static constexpr bool kSplitTf32 = false;
+  static constexpr bool kLowParts = kLowParts_;
+  static_assert(!kLowParts || (std::is_same_v<Element, cutlass::half_t> && std::is_same_v<OutElement, float>));
+  static constexpr int kOperandParts = kLowParts ? 2 : 1;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr BackwardTile kTile = dq_tile(kHeadDim);
+  static constexpr BackwardTile kTile = kLowParts ? float16_parts_dq_tile(kHeadDim) : dq_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -421,10 +457,11 @@ struct DqTraits {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // K and V tiles, one barrier per stage for both
   using PipelineState = typename Pipeline::PipelineState;
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  // Bytes of one load of Q (dO) and of a K (V) tile: with kLowParts both parts, on one barrier.
+  static constexpr uint32_t kQBytes = kOperandParts * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kOperandParts * kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
+  struct HiStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> d_o;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
@@ -432,6 +469,8 @@ struct DqTraits {
     typename Pipeline::SharedStorage pipeline_kv;
     alignas(8) uint64_t q_full;  // transaction barrier of the one Q and dO load
   };
+  using SharedStorage = std::conditional_t<
+      kLowParts, WithLowParts<HiStorage, DqOperandLowParts<Element, SmemLayoutQ, SmemLayoutKV>>, HiStorage>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 
@@ -459,6 +498,7 @@ struct Tf32DqTraits {
   using OutElement = float;
   static constexpr bool kTf32 = true;
   static constexpr bool kSplitTf32 = kSplitTf32_;
+  static constexpr bool kLowParts = kSplitTf32;
   static constexpr int kOperandParts = kSplitTf32 ? 2 : 1;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = tf32_dq_tile(kHeadDim, kSplitTf32);
@@ -532,8 +572,8 @@ struct BackwardArgs {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
-  // Split TF32: the lo parts' descriptors (the four above then read the hi parts), named like those.
-  std::conditional_t<Traits::kSplitTf32, BackwardLowPartTmas<Traits>, NoLowPartTmas> tma_lo;
+  // Operands in parts: the lo parts' descriptors (the four above then read the hi parts), named like those.
+  std::conditional_t<Traits::kLowParts, BackwardLowPartTmas<Traits>, NoLowPartTmas> tma_lo;
   // dK/dV kernel: 0 orders the CTAs slice by slice (every key block of one (batch, KV head) slice, then the next);
   // n > 0 cuts the slices into bands of n and orders each band key block first (backward_key_block.h).
   int64_t band_slices = 0;

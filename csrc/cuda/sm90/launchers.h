@@ -41,5 +41,12 @@ template <int kHeadDim>
 std::string launch_split_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
 template <int kHeadDim>
 std::string launch_split_tf32_dq(const AttentionBackwardParams& p, cudaStream_t stream);
+// The float16-parts backward (float32_precision="highest" with the float16-parts workspace,
+// AttentionBackwardParams::float16_parts; float16_parts_backward_launch.h): head dim 128, built with the 16-bit
+// backward of that head dim; the dK/dV launcher first writing the operands' parts.
+template <int kHeadDim>
+std::string launch_float16_parts_dkdv(const AttentionBackwardParams& p, cudaStream_t stream);
+template <int kHeadDim>
+std::string launch_float16_parts_dq(const AttentionBackwardParams& p, cudaStream_t stream);
 
 }  // namespace jax_flash::cuda::sm90

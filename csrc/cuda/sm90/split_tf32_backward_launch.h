@@ -1,6 +1,6 @@
 // Host launchers of the split-TF32 backward (float32_precision="highest" on the Hopper TF32 backward passes;
 // split_tf32_mma.h says what split TF32 computes): the dK/dV launcher first writes the hi and lo parts of Q, dO, K
-// and V into the call's workspace (common/tf32_workspace.h split_tf32_backward_parts), then both passes run the
+// and V into the call's workspace (common/tf32_workspace.h backward_operand_parts), then both passes run the
 // TF32 kernels with Traits::kSplitTf32 (backward_traits.h), whose TMA loads read those parts. f32/launch.h runs the
 // softmax_d pre-pass before them (from the float32 dO and O themselves).
 #pragma once
@@ -20,19 +20,7 @@ template <int kHeadDim>
 std::string launch_split_tf32_dkdv(const AttentionBackwardParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the split-TF32 tiles and the workspace's head dims");
   if (p.tf32_vt == nullptr || !p.split_tf32) return "sm90 split-TF32 backward: no split-TF32 workspace";
-  const SplitTf32BackwardParts parts = split_tf32_backward_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k,
-                                                                 p.heads_q, p.heads_kv, p.head_dim);
-  const int64_t q_floats = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
-  const int64_t k_floats = p.batch * p.seqlen_k * p.heads_kv * p.head_dim;
-  const struct {
-    const void* x;
-    OperandParts parts;
-    int64_t count;
-  } operands[] = {{p.q, parts.q, q_floats}, {p.d_o, parts.d_o, q_floats}, {p.k, parts.k, k_floats},
-                  {p.v, parts.v, k_floats}};
-  for (const auto& operand : operands) {
-    if (std::string err = launch_split_tf32(operand.x, operand.parts, operand.count, stream); !err.empty()) return err;
-  }
+  if (std::string err = launch_backward_operand_parts(p, p.tf32_vt, stream); !err.empty()) return err;
   return launch_dkdv_kernel<Tf32DkdvTraits<kHeadDim, true>, BackwardForm::kCommon, false>(
       p, stream, "sm90 split-TF32 dK/dV kernel launch");
 }

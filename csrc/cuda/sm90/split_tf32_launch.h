@@ -25,11 +25,11 @@ std::string launch_split_tf32_variant(const AttentionParams& p, cudaStream_t str
   const SplitTf32Parts parts =
       split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
   if (std::string err = launch_tf32_v_transpose<kHeadDim>(p, stream, parts.vt.lo); !err.empty()) return err;
-  if (std::string err = launch_split_tf32(p.q, parts.q, p.batch * p.seqlen_q * p.heads_q * p.head_dim, stream);
+  if (std::string err = launch_split_parts(p.q, parts.q, p.batch * p.seqlen_q * p.heads_q * p.head_dim, stream);
       !err.empty()) {
     return err;
   }
-  if (std::string err = launch_split_tf32(p.k, parts.k, p.batch * p.seqlen_k * p.heads_kv * p.head_dim, stream);
+  if (std::string err = launch_split_parts(p.k, parts.k, p.batch * p.seqlen_k * p.heads_kv * p.head_dim, stream);
       !err.empty()) {
     return err;
   }

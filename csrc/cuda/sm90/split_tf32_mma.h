@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
 
 #include "../sm80/fragments.h"
 #include "fragments.h"
@@ -28,15 +30,28 @@ __device__ __forceinline__ void split_to_tf32(float x, float& hi, float& lo) {
   lo = tf32_high_part(x - hi);
 }
 
-// Register operand parts from float32 accumulators (the probabilities of P V): hi and lo share acc's layout.
+// The same split with float16 parts (the float16-parts backward, float16_parts_backward_launch.h): hi = fp16(x),
+// lo = fp16(x - hi), x - hi exact in float32. Its operands are scaled so that every x stays far below float16's
+// largest; lo is a float16 subnormal (fewer bits) only where x is below ~2^-3, far below its tensor's largest.
+__device__ __forceinline__ void split_to_float16(float x, cutlass::half_t& hi, cutlass::half_t& lo) {
+  hi = cutlass::half_t(x);
+  lo = cutlass::half_t(x - float(hi));
+}
+
+// Register operand parts from float32 accumulators (the probabilities of P V, the float16 parts' P^T, dS^T and dS):
+// hi and lo share acc's layout, TF32 or float16 parts by their element type.
 template <class Acc, class Part>
 __device__ __forceinline__ void split_registers(Acc const& acc, Part& hi, Part& lo) {
   CUTE_UNROLL
   for (int i = 0; i < cute::size(acc); ++i) {
-    float h, l;
-    split_to_tf32(acc(i), h, l);
-    hi(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(h));
-    lo(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(l));
+    if constexpr (std::is_same_v<typename Part::value_type, cutlass::half_t>) {
+      split_to_float16(acc(i), hi(i), lo(i));
+    } else {
+      float h, l;
+      split_to_tf32(acc(i), h, l);
+      hi(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(h));
+      lo(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(l));
+    }
   }
 }
 
