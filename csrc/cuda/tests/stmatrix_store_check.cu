@@ -1,7 +1,7 @@
 // store_accumulators (csrc/cuda/sm90/fragments.h: stmatrix through CuTe's make_tiled_copy_C) writes every element of
 // an accumulator-shaped fragment to the shared-memory address the element-wise copy through the MMA's partition_C
 // would, for every destination the kernels stage into: the dK/dV kernels' dS^T buffers and dK/dV staging, the d=192 /
-// d=256 split consumer's P^T / dS^T and column slices, and the forward's O staging of every row tile. Runs on the CPU
+// d=256 split consumer's P^T / dS^T and column slices (and the d=128 float16-parts one's), and the forward's O staging of every row tile. Runs on the CPU
 // (nvcc for CuTe's host code; no GPU): CuTe's copy loop is replayed and each stmatrix.x4 applied as PTX defines it
 // (lane 8j + r gives the address of row r of matrix j; lane l's register j holds that matrix's row l / 4, columns
 // 2 (l % 4) and + 1). A control with a swizzle of 8-byte units must come out different, so the check can fail.
@@ -138,9 +138,11 @@ void dkdv() {
   }
 }
 
-template <int D>
+// kParts: the float16-parts kernel's tiles (float16 elements: the same 16-bit layouts), whose P^T / dS^T hi and lo
+// buffers share SmemLayoutPdS.
+template <int D, bool kParts = false>
 void split() {
-  using Tr = DkdvSplitTraits<D, Elem>;
+  using Tr = std::conditional_t<kParts, DkdvSplitTraits<D, cutlass::half_t, float, true>, DkdvSplitTraits<D, Elem>>;
   char name[128];
   typename Tr::TiledMmaSdP mma_sdp;
   typename Tr::TiledMmaDkv mma_dkv;
@@ -150,10 +152,10 @@ void split() {
   for (int g = 0; g < groups; ++g) {
     Tensor mine = local_tile(sP, Shape<Int<Tr::kBlockN>, Int<Tr::kQueryCols>>{}, make_coord(0, g));
     for (int b = 0; b < 2; ++b) {
-      std::snprintf(name, sizeof name, "split d=%d P^T/dS^T group %d buffer %d", D, g, b);
+      std::snprintf(name, sizeof name, "split d=%d%s P^T/dS^T group %d buffer %d", D, kParts ? " parts" : "", g, b);
       check(name, mma_sdp, mine(_, _, b));
     }
-    std::snprintf(name, sizeof name, "split d=%d dK/dV staging group %d", D, g);
+    std::snprintf(name, sizeof name, "split d=%d%s dK/dV staging group %d", D, kParts ? " parts" : "", g);
     check(name, mma_dkv, local_tile(sV, Shape<Int<Tr::kBlockN>, Int<Tr::kDkvCols>>{}, make_coord(0, g)));
   }
 }
@@ -174,6 +176,7 @@ int main() {
   dkdv<128>();
   split<192>();
   split<256>();
+  split<128, true>();
   forward<64>("standard");
   forward<64, RowTile::kLong>("long");
   forward<64, RowTile::kShort>("short");
