@@ -39,15 +39,19 @@ IMPLEMENTATIONS = ("jax_flash_sm80", "jax_flash_sm90", "cudnn", "xla")
 KERNEL_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "sm90"}  # JAX_FLASH_CUDA_KERNEL per implementation
 BACKWARD_FAMILY = {"jax_flash_sm80": "sm80", "jax_flash_sm90": "auto"}  # JAX_FLASH_CUDA_KERNEL_BACKWARD
 FLOAT32_IMPLEMENTATIONS = ("jax_flash_tf32", "jax_flash_tf32_fp16ops", "jax_flash_f32_highest", "jax_flash_f32_split",
-                           "xla_f32_default", "xla_f32_highest")
+                           "jax_flash_f32_fp16parts", "xla_f32_default", "xla_f32_highest")
 FLOAT32_MODE = {"jax_flash_tf32": "tf32", "jax_flash_tf32_fp16ops": "tf32",  # jax_flash's float32_precision
-                "jax_flash_f32_highest": "highest", "jax_flash_f32_split": "highest"}
+                "jax_flash_f32_highest": "highest", "jax_flash_f32_split": "highest",
+                "jax_flash_f32_fp16parts": "highest"}
 # JAX_FLASH_SM90_TF32_BACKWARD_FP16 per row (read when its functions are traced): the TF32 mode's backward on the TF32
 # kernels, or on scaled float16 operands (jax_flash/_half_operands.py).
 HALF_OPERANDS_SWITCH = {"jax_flash_tf32": "0", "jax_flash_tf32_fp16ops": "1"}
 # JAX_FLASH_SM90_SPLIT_TF32 and JAX_FLASH_SM90_SPLIT_TF32_BACKWARD per row (read when its functions are traced):
 # "highest" on the exact float32 kernels, or on the split-TF32 Hopper forward and backward passes.
-SPLIT_TF32_SWITCH = {"jax_flash_f32_highest": "0", "jax_flash_f32_split": "1"}
+SPLIT_TF32_SWITCH = {"jax_flash_f32_highest": "0", "jax_flash_f32_split": "1", "jax_flash_f32_fp16parts": "1"}
+# JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16 per row: the fp16parts row is the split row with the backward on float16 parts
+# where they apply (head_dim 72..128; csrc/cuda/sm90/float16_parts_backward_launch.h), split TF32's elsewhere.
+FLOAT16_PARTS_SWITCH = {"jax_flash_f32_highest": "0", "jax_flash_f32_split": "0", "jax_flash_f32_fp16parts": "1"}
 XLA_FLOAT32 = {"xla_f32_default": "default", "xla_f32_highest": "highest"}  # XLA's matmul precision
 JAX_FLASH_IMPLEMENTATIONS = (*KERNEL_FAMILY, *FLOAT32_MODE)  # the rows that take every feature
 
@@ -132,13 +136,14 @@ def measure(implementation: str, head_dim: int, seqlen: int, causal: bool, reps:
 
 def kernel_families(implementation: str):
     """Sets the implementation's JAX_FLASH_CUDA_KERNEL[_BACKWARD] (the C++ dispatcher reads them at every call),
-    JAX_FLASH_SM90_SPLIT_TF32[_BACKWARD] and JAX_FLASH_SM90_TF32_BACKWARD_FP16 (read when the row's functions are
-    traced, which happens inside)."""
+    JAX_FLASH_SM90_SPLIT_TF32[_BACKWARD], JAX_FLASH_SM90_TF32_BACKWARD_FP16 and JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16
+    (read when the row's functions are traced, which happens inside)."""
     return environment({"JAX_FLASH_CUDA_KERNEL": KERNEL_FAMILY.get(implementation),
                         "JAX_FLASH_CUDA_KERNEL_BACKWARD": BACKWARD_FAMILY.get(implementation),
                         "JAX_FLASH_SM90_SPLIT_TF32": SPLIT_TF32_SWITCH.get(implementation),
                         "JAX_FLASH_SM90_SPLIT_TF32_BACKWARD": SPLIT_TF32_SWITCH.get(implementation),
-                        "JAX_FLASH_SM90_TF32_BACKWARD_FP16": HALF_OPERANDS_SWITCH.get(implementation)})
+                        "JAX_FLASH_SM90_TF32_BACKWARD_FP16": HALF_OPERANDS_SWITCH.get(implementation),
+                        "JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16": FLOAT16_PARTS_SWITCH.get(implementation)})
 
 
 @contextlib.contextmanager

@@ -38,8 +38,8 @@ def expected(implementation: str, feature: str, causal: bool):
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("feature", ("none", "padding_mask", "softcap"))
 @pytest.mark.parametrize("implementation", ("jax_flash_tf32", "jax_flash_tf32_fp16ops", "jax_flash_f32_highest",
-                                            "jax_flash_f32_split", "xla_f32_default", "xla_f32_highest",
-                                            "jax_flash_sm80"))
+                                            "jax_flash_f32_split", "jax_flash_f32_fp16parts", "xla_f32_default",
+                                            "xla_f32_highest", "jax_flash_sm80"))
 def test_rows_compute_their_feature(implementation, feature, causal):
     attend = bench.attention_fn(implementation, causal, feature, batch=BATCH, seqlen=SEQLEN)
     out = np.asarray(jax.jit(attend)(*inputs()), np.float64)
@@ -99,6 +99,32 @@ def test_fp16ops_row_traces_its_backward_on_float16_operands(monkeypatch, settin
             (operand_types[row],) = backward_call_operand_types(lambda *a: jnp.sum(attend(*a)), q, k, v)
     assert "xf16>" in operand_types["jax_flash_tf32_fp16ops"]
     assert "xf16>" not in operand_types["jax_flash_tf32"]
+    assert os.environ.get(switch) == setting
+
+
+@pytest.mark.parametrize("setting", (None, "0", "1"))
+def test_fp16parts_row_traces_its_backward_on_float16_parts(monkeypatch, setting):
+    """Under its kernel families the fp16parts row's backward call at head_dim 128 carries the float16-parts workspace,
+    the split row's the split-TF32 one, whatever the process's JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16; restored
+    after."""
+    from jax_flash import _ffi_calls
+
+    switch = _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV
+    if setting is None:
+        monkeypatch.delenv(switch, raising=False)
+    else:
+        monkeypatch.setenv(switch, setting)
+    keys = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 128), jnp.float32) for key in keys)
+    shape = "x".join(map(str, _ffi_calls.backward_parts_workspace_shape(q, k)))
+    lowered = {}
+    for row in ("jax_flash_f32_fp16parts", "jax_flash_f32_split"):
+        with bench.kernel_families(row):
+            attend = bench.attention_fn(row, True)
+            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
+            lowered[row] = jax.jit(step).lower(q, k, v).as_text()
+    assert f"tensor<{shape}xf16>" in lowered["jax_flash_f32_fp16parts"]
+    assert f"tensor<{shape}xf32>" in lowered["jax_flash_f32_split"]
     assert os.environ.get(switch) == setting
 
 

@@ -125,10 +125,12 @@ def test_split_backward_switch_rejects_other_values(monkeypatch):
         jax.grad(loss)(q)
 
 
-def test_raw_backward_checks_the_split_workspace():
-    """A float32 call's dq_accum is the split-TF32 workspace: per (batch row, KV head) four times G * Sq * D + Sk * D
-    floats. The handler accepts exactly that (ignored on the CPU, run by the split passes on a GPU), refuses any
-    other size naming the buffer, and refuses it on a TF32 call."""
+@pytest.mark.parametrize("parts_type", (jnp.float32, jnp.float16))
+def test_raw_backward_checks_the_split_workspace(parts_type):
+    """A float32 call's dq_accum is a parts workspace, of split TF32 (float32) or float16 parts (float16): per
+    (batch row, KV head) four times G * Sq * D + Sk * D elements. The handler accepts exactly that (ignored on the
+    CPU, run by the split or float16-parts passes on a GPU), refuses any other size naming the buffer, and refuses
+    it on a TF32 call."""
     case = Case(batch=2, seqlen_q=19, seqlen_k=23, heads_q=4, heads_kv=2, head_dim=16, dtype=jnp.float32)
     q, k, v = case.inputs()
     masks = [jnp.zeros((2, 0), jnp.float32)] + [jnp.zeros((2, 0), jnp.int32)] * 4
@@ -143,7 +145,7 @@ def test_raw_backward_checks_the_split_workspace():
             q, k, v, *masks, *dense, **_ffi_calls._forward_attributes(config))
         call = jax.ffi.ffi_call(_registration.BACKWARD_TARGET, (
             jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(workspace_shape, jnp.float32),
+            jax.ShapeDtypeStruct(v.shape, v.dtype), stats, jax.ShapeDtypeStruct(workspace_shape, parts_type),
             jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1, 0), jnp.float32)))
         return jax.block_until_ready(call(q, k, v, o, lse, jnp.ones_like(q), jnp.zeros_like(lse), *masks, *dense,
                                           **_ffi_calls._score_attributes(config), deterministic=False))[:3]
@@ -154,9 +156,9 @@ def test_raw_backward_checks_the_split_workspace():
     if q.devices().pop().platform == "cpu":  # the CPU handler ignores the workspace
         for got, want in zip(split, plain):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    else:  # a GPU runs the split-TF32 passes with it: another summation order, within the exact bound
+    else:  # a GPU runs the split-TF32 (float16-parts) passes with it: within the exact bound
         _assert_within_exact_bound(split, plain)
     with pytest.raises(Exception, match="dq_accum"):
         run((2, 2, per_head + 4))
-    with pytest.raises(Exception, match="split-TF32 workspace: only without allow_tf32"):
+    with pytest.raises(Exception, match="parts workspace: only without allow_tf32"):
         run((2, 2, per_head), allow_tf32=True)

@@ -5,7 +5,9 @@ tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
 the environment, the "highest" forwards of the common-form cases run the split-TF32 Hopper kernel instead, and with
 JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1 their backwards the split-TF32 Hopper passes; with
 JAX_FLASH_SM90_TF32_BACKWARD_FP16=1 the "tf32" backwards at head dims 64..128 (multiples of 8) run on scaled float16
-operands (the 16-bit Hopper backward's float32-gradient forms).
+operands (the 16-bit Hopper backward's float32-gradient forms); with JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1 the
+"highest" backwards of the common-form cases at head dims 72..128 (multiples of 8) run on float16 parts (the
+float16-parts passes: d=128 segments, 300 x 777 and the causal 104).
 Prints one line per case; finite outputs are checked so that a silent failure still shows."""
 import itertools
 
@@ -25,6 +27,7 @@ CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
     # once released a K stage before its loads had landed (thirteenth session).
     (1, 300, 777, 2, 2, 128, {}),
     (1, 200, 600, 4, 2, 64, {"causal": True}),
+    (2, 70, 90, 4, 2, 104, {"causal": True}),  # the float16-parts passes' zero-padded head dim, GQA, partial tiles
 ]
 
 for (b, sq, sk, hq, hkv, d, kwargs), mode in itertools.product(CASES, ("highest", "tf32")):
