@@ -150,6 +150,17 @@ FEATURES = ("none", "causal", "window", "window_left_causal", "softcap", "alibi"
             "seqlens", "seqlens_causal", "segments", "everything")
 
 
+def gradient_inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0), seed_offset: int = 99):
+    """``(q, k, v, d_o, d_lse)``: the case's inputs with a float32 output cotangent and an lse cotangent (``[batch,
+    heads_q, seqlen_q]``), q, k, v and d_o multiplied by ``scales``."""
+    q, k, v = case.inputs()
+    keys = jax.random.split(jax.random.key(case.seed + seed_offset), 2)
+    d_o = jax.random.normal(keys[0], q.shape, jnp.float32)
+    d_lse = jax.random.normal(keys[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    q, k, v, d_o = (x * s for x, s in zip((q, k, v, d_o), scales))
+    return q, k, v, d_o, d_lse
+
+
 def oracle(q, k, v, **kwargs):
     """(o, lse) of the pure-JAX reference evaluated in float64."""
     with jax.enable_x64(True):

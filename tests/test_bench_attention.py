@@ -50,6 +50,14 @@ def test_rows_compute_their_feature(implementation, feature, causal):
         assert np.max(np.abs(plain - want)) > 1e-2, "the feature does not change this call: the test is vacuous"
 
 
+def _set_or_unset(monkeypatch, name: str, setting: str | None) -> None:
+    """The process's value of a switch for a test: `setting`, or unset for None."""
+    if setting is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, setting)
+
+
 @pytest.mark.parametrize("setting", (None, "0", "1"))
 def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch, setting):
     """Under its kernel families, the split row's forward and backward are traced with JAX_FLASH_SM90_SPLIT_TF32 and
@@ -59,10 +67,7 @@ def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch
 
     switches = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV)
     for switch in switches:
-        if setting is None:
-            monkeypatch.delenv(switch, raising=False)
-        else:
-            monkeypatch.setenv(switch, setting)
+        _set_or_unset(monkeypatch, switch, setting)
     q, k, v = inputs()
     workspaces = ("tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k)),
                   "tensor<{}x{}x{}xf32>".format(*_ffi_calls.backward_parts_workspace_shape(q, k)))
@@ -86,10 +91,7 @@ def test_fp16ops_row_traces_its_backward_on_float16_operands(monkeypatch, settin
     from jax_flash import _ffi_calls
 
     switch = _ffi_calls.HALF_OPERANDS_BACKWARD_ENV
-    if setting is None:
-        monkeypatch.delenv(switch, raising=False)
-    else:
-        monkeypatch.setenv(switch, setting)
+    _set_or_unset(monkeypatch, switch, setting)
     keys = jax.random.split(jax.random.key(1), 3)
     q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 64), jnp.float32) for key in keys)  # a kernel head dim
     operand_types = {}
@@ -110,10 +112,7 @@ def test_fp16parts_row_traces_its_backward_on_float16_parts(monkeypatch, setting
     from jax_flash import _ffi_calls
 
     switch = _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV
-    if setting is None:
-        monkeypatch.delenv(switch, raising=False)
-    else:
-        monkeypatch.setenv(switch, setting)
+    _set_or_unset(monkeypatch, switch, setting)
     keys = jax.random.split(jax.random.key(2), 3)
     q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 128), jnp.float32) for key in keys)
     shape = "x".join(map(str, _ffi_calls.backward_parts_workspace_shape(q, k)))

@@ -13,7 +13,7 @@ import pytest
 
 import jax_flash
 from jax_flash import _ffi_calls, _half_operands, _registration
-from attention_cases import Case, feature_kwargs, oracle_grads
+from attention_cases import Case, feature_kwargs, gradient_inputs, oracle_grads
 
 EXACT_FLOAT32_RTOL = 1e-5
 
@@ -35,12 +35,7 @@ def _grads_call(float32_precision="highest", **kwargs):
 
 
 def _inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0)):
-    q, k, v = case.inputs()
-    keys = jax.random.split(jax.random.key(case.seed + 5), 2)
-    d_o = jax.random.normal(keys[0], q.shape, jnp.float32)
-    d_lse = jax.random.normal(keys[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
-    q, k, v, d_o = (x * s for x, s in zip((q, k, v, d_o), scales))
-    return q, k, v, d_o, d_lse
+    return gradient_inputs(case, scales, seed_offset=5)
 
 
 def _backward_lines(call, *args) -> list[str]:

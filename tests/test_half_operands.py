@@ -12,7 +12,7 @@ import pytest
 import jax_flash
 from jax_flash import _ffi_calls, _half_operands
 from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, backward_call_operand_types,
-                              block_structured_mask, feature_kwargs, max_error, oracle_grads)
+                              block_structured_mask, feature_kwargs, gradient_inputs, max_error, oracle_grads)
 
 def _grads(q, k, v, d_o, d_lse, **kwargs):
     """A fresh jitted gradient function (jit's trace cache does not know the switch, read when traced)."""
@@ -23,12 +23,7 @@ def _grads(q, k, v, d_o, d_lse, **kwargs):
 
 
 def _inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0)):
-    q, k, v = case.inputs()
-    keys = jax.random.split(jax.random.key(case.seed + 99), 2)
-    d_o = jax.random.normal(keys[0], q.shape, jnp.float32)
-    d_lse = jax.random.normal(keys[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
-    q, k, v, d_o = (x * s for x, s in zip((q, k, v, d_o), scales))
-    return q, k, v, d_o, d_lse
+    return gradient_inputs(case, scales, seed_offset=99)
 
 
 @pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-4, 3e3, 1e4, 1e-5), (30.0, 0.02, 1e-3, 5e3),
