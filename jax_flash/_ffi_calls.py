@@ -352,8 +352,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     if _uses_half_operands_backward(q, k, masks, config, dense):
         return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse)
     if _uses_float16_parts_backward(q, k, masks, config, dense):
-        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse,
-                                       operand_dtype=jnp.dtype(jnp.float32))
+        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse, _half_operands.FLOAT16_PARTS)
     dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias,
                                        jnp.dtype(q.dtype))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

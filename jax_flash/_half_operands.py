@@ -1,6 +1,7 @@
 """The TF32-class backward of float32 calls on float16 operands (opt-in: ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1``),
 and the scaling that the exact mode's backward on float16 parts shares (opt-in:
-``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1``; ``backward``'s ``operand_dtype``).
+``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1``; ``FLOAT16_PARTS``, whose probability and dO scales are larger: see
+``Scheme``). What follows describes the TF32 mode's (``FLOAT16_OPERANDS``).
 
 Why float16: it keeps TF32's 11 significant bits, its tensor-core products run at twice TF32's rate, and the 16-bit
 Hopper backward reads its operands as they lie (TF32 WGMMAs take shared operands only K-major, which costs the TF32
@@ -30,18 +31,38 @@ scale, documented in README):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# log2 of the kernel's probability scale: P' = 2^7 P.
-PROBABILITY_SHIFT = 7
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """How one kernel family takes the scaled operands.
+
+    - ``operand_dtype``: float16 (the TF32 mode's float16 operands), or float32 for the float16 parts, which the
+      kernels split into hi + lo themselves;
+    - ``probability_shift``: log2 of the kernel's probability scale, P' = 2^p P (the call's lse less p ln 2);
+    - ``score_grad_exponent``: the bound on |dS'| is kept below 2^this: 14 where the kernels round dS' to float16
+      (float16's largest finite is 65504, just under 2^16). The float16-parts kernels scale each row of dS' by a
+      power of two of its own before splitting it (csrc/cuda/sm90/row_scaled_parts.h), so dS' need only stay within
+      float32 there, and 27 leaves P' and dO' large. Why large: a float16 lo part is a subnormal (absolute spacing
+      2^-24) wherever its value is below ~2^-3. With the TF32 mode's P' = 2^7 P, spread attention over 16k keys puts
+      every P' there (P' ~ 2^-7), and dO' (row norm ~1) mostly too: emulated, dv was 5e-6 off at 64k keys and
+      growing with them. With P' = 2^14 P and dO' of row norm ~2^6 both stay normal.
+    """
+    operand_dtype: np.dtype
+    probability_shift: int
+    score_grad_exponent: int
+
+
+FLOAT16_OPERANDS = Scheme(np.dtype(np.float16), probability_shift=7, score_grad_exponent=14)
+FLOAT16_PARTS = Scheme(np.dtype(np.float32), probability_shift=14, score_grad_exponent=27)
 # v's largest row norm is put in [2^3, 2^4).
 _V_ROW_NORM_EXPONENT = 4
-# The bound on |dS'| is kept below 2^14 (float16's largest finite is 65504, just under 2^16).
-_SCORE_GRAD_EXPONENT = 14
 
 GradCall = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array],
                     tuple[jax.Array, jax.Array, jax.Array]]
@@ -75,8 +96,8 @@ def _slice_max_row_norm(x: jax.Array, heads_kv: int) -> jax.Array:
     return _times_power_of_two(norms, e)
 
 
-def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, d_o: jax.Array,
-                      d_lse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, d_o: jax.Array, d_lse: jax.Array,
+                      scheme: Scheme = FLOAT16_OPERANDS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(s, e_v, e_do)``, int32 ``[..., Hkv]``, one per (batch row, KV head): that slice's q (its group of query
     heads) is scaled by 2^s and its k by 2^-s, its v and o by 2^e_v, its dO by 2^e_do. Per slice, since the kernel
     computes each slice on its own: a batch row or head far smaller than the rest keeps its own precision."""
@@ -96,7 +117,7 @@ def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, d_
     d_lse_max = jnp.max(jnp.abs(d_lse.reshape(*lead, heads_kv, heads_q // heads_kv * seqlen_q)), axis=-1)
     e_c = jnp.maximum(_exponent(_slice_max_row_norm(d_o, heads_kv)) + 1 + _V_ROW_NORM_EXPONENT,
                       jnp.where(d_lse_max > 0, _exponent(d_lse_max) + e_v, jnp.iinfo(jnp.int32).min // 2)) + 1
-    e_do = _SCORE_GRAD_EXPONENT - PROBABILITY_SHIFT - 1 - e_c
+    e_do = scheme.score_grad_exponent - scheme.probability_shift - 1 - e_c
     return s, e_v, e_do
 
 
@@ -136,21 +157,21 @@ def _scaled_rows(x: jax.Array, exponent: jax.Array) -> jax.Array:
 
 def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,
              d_o: jax.Array, d_lse: jax.Array,
-             operand_dtype: np.dtype = np.dtype(np.float16)) -> tuple[jax.Array, jax.Array, jax.Array]:
+             scheme: Scheme = FLOAT16_OPERANDS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` float32 of a float32 call through ``call(q, k, v, o, lse, d_o, d_lse)``, the backward
     custom call on the scaled operands with float32 gradients (its masks and attributes bound). The operands are
-    float16 (the TF32 mode), or with ``operand_dtype`` float32 the scaled float32 operands themselves, which the
-    float16-parts kernels split into float16 hi + lo parts (``float32_precision="highest"``,
-    csrc/cuda/sm90/float16_parts_backward_launch.h): the bounds above keep hi (and lo, about 2^-11 of it) in range
-    just the same. Scaling by powers of two is exact, so a kernel that computes in float32 (the CPU's) returns the
-    unscaled call's gradients to float32 rounding."""
+    float16 (``FLOAT16_OPERANDS``, the TF32 mode), or the scaled float32 operands themselves (``FLOAT16_PARTS``,
+    ``float32_precision="highest"``), which the float16-parts kernels split into float16 hi + lo parts
+    (csrc/cuda/sm90/float16_parts_backward_launch.h): the bounds above keep hi in range (and lo, about 2^-11 of it).
+    Scaling by powers of two is exact, so a kernel that computes in float32 (the CPU's) returns the unscaled call's
+    gradients to float32 rounding."""
     d_lse = d_lse.astype(jnp.float32)
-    s, e_v, e_do = operand_exponents(q, k, v, o, d_o, d_lse)
-    p = PROBABILITY_SHIFT
+    s, e_v, e_do = operand_exponents(q, k, v, o, d_o, d_lse, scheme)
+    p = scheme.probability_shift
     lse_shifted = lse - jnp.float32(p * np.log(2.0))
 
     def operand(x: jax.Array, exponent: jax.Array) -> jax.Array:
-        return _scaled(x, exponent).astype(operand_dtype)
+        return _scaled(x, exponent).astype(scheme.operand_dtype)
 
     dq, dk, dv = call(operand(q, s), operand(k, -s), operand(v, e_v), operand(o, e_v), lse_shifted,
                       operand(d_o, e_do), _scaled_rows(d_lse, e_do + e_v))

@@ -16,6 +16,10 @@ from jax_flash import _ffi_calls, _half_operands, _registration
 from attention_cases import Case, feature_kwargs, gradient_inputs, oracle_grads
 
 EXACT_FLOAT32_RTOL = 1e-5
+# The tiles over which the kernels scale score-gradient rows (csrc/cuda/sm90/backward_traits.h float16_parts_dq_tile's
+# keys, float16_parts_dkdv_tile's queries).
+DQ_KEY_TILE = 32
+DKDV_QUERY_TILE = 32
 
 
 @pytest.fixture(autouse=True)
@@ -150,23 +154,46 @@ def _parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.astype(np.float64), lo.astype(np.float64)
 
 
-def _parts_product(spec: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """einsum(spec, a, b) as the kernels compute it: lo*hi + hi*lo + hi*hi of float16 parts, the sums exact."""
-    (a_hi, a_lo), (b_hi, b_lo) = _parts(a), _parts(b)
+def _row_scaled_parts(x: np.ndarray, row_axis: int, col_axis: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The float16 parts of score gradients as the kernels form them (csrc/cuda/sm90/row_scaled_parts.h), in float64
+    and scaled back: each row's elements within one tile of ``block`` columns multiplied by 2^(12 - e), e = floor(log2)
+    of their largest magnitude, split, and divided by the same power of two (exact)."""
+    x = np.moveaxis(np.asarray(x, np.float32), (row_axis, col_axis), (-2, -1))
+    cols = x.shape[-1]
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -cols % block)])
+    tiles = padded.reshape(*padded.shape[:-1], -1, block)
+    largest = np.max(np.abs(tiles), axis=-1, keepdims=True)
+    exponent = np.clip(np.floor(np.log2(np.where(largest > 0, largest, 1.0))), -100, 100)
+    scale = np.exp2(12 - exponent).astype(np.float32)
+    hi, lo = _parts(tiles * scale)
+    parts = []
+    for part in (hi, lo):
+        part = (part / scale).reshape(padded.shape)[..., :cols]
+        parts.append(np.moveaxis(part, (-2, -1), (row_axis, col_axis)))
+    return parts[0], parts[1]
+
+
+def _parts_product(spec: str, a: np.ndarray, b: np.ndarray, a_parts=None) -> np.ndarray:
+    """einsum(spec, a, b) as the kernels compute it: lo*hi + hi*lo + hi*hi of float16 parts (``a_parts`` a's, if
+    formed otherwise), the sums exact."""
+    (a_hi, a_lo), (b_hi, b_lo) = a_parts or _parts(a), _parts(b)
     return np.einsum(spec, a_lo, b_hi) + np.einsum(spec, a_hi, b_lo) + np.einsum(spec, a_hi, b_hi)
 
 
 def _kernel_emulation(q, k, v, o, d_o, d_lse, lse, softmax_scale, causal):
     """The gradients the float16-parts kernels compute from the scaled operands (_half_operands.backward with
-    float32 operands), in float64 NumPy: every GEMM on float16 parts of its float32 operands (the pre-pass's parts
-    of q', k', v', dO'; the consumers' parts of P' and dS', both formed in float32); S, dP, the softmax and D in
-    float64 (float32 in the kernels: the floor every float32 scheme shares), the sums exact (the accumulation, which
-    the kernels sum item by item, is benchmarks/emulate_split_products.py's subject)."""
-    s, e_v, e_do = _half_operands.operand_exponents(q, k, v, o, d_o, d_lse)
+    FLOAT16_PARTS), in float64 NumPy: every GEMM on float16 parts of its float32 operands (the pre-pass's parts of q',
+    k', v', dO'; the consumers' parts of P' and of dS', its rows scaled by powers of two, both formed in float32); S,
+    dP, the softmax and D
+    in float64 (float32 in the kernels: the floor every float32 scheme shares), the sums exact (the accumulation,
+    which the kernels sum item by item, is benchmarks/emulate_split_products.py's subject)."""
+    scheme = _half_operands.FLOAT16_PARTS
+    s, e_v, e_do = _half_operands.operand_exponents(q, k, v, o, d_o, d_lse, scheme)
     scaled = [np.asarray(_half_operands._scaled(x, e), np.float32)
               for x, e in ((q, s), (k, -s), (v, e_v), (o, e_v), (d_o, e_do))]
     q32, k32, v32, o32, do32 = scaled
-    lse_shifted = np.asarray(lse, np.float64) - _half_operands.PROBABILITY_SHIFT * np.log(2.0)
+    p = scheme.probability_shift
+    lse_shifted = np.asarray(lse, np.float64) - p * np.log(2.0)
     d_lse_scaled = np.asarray(_half_operands._scaled_rows(d_lse, e_do + e_v), np.float64)
     group = q.shape[2] // k.shape[2]
     k32, v32 = np.repeat(k32, group, axis=2), np.repeat(v32, group, axis=2)
@@ -179,12 +206,15 @@ def _kernel_emulation(q, k, v, o, d_o, d_lse, lse, softmax_scale, causal):
     dv = _parts_product("bhqk,bqhd->bkhd", probs, do32)
     d_probs = _parts_product("bqhd,bkhd->bhqk", do32, v32)
     softmax_d = np.einsum("bqhd,bqhd->bhq", np.float64(do32), np.float64(o32)) - d_lse_scaled
-    score_grads = (probs * (d_probs - softmax_d[..., None])).astype(np.float32)
-    dq = softmax_scale * _parts_product("bhqk,bkhd->bqhd", score_grads, k32)
-    dk = softmax_scale * _parts_product("bhqk,bqhd->bkhd", score_grads, q32)
+    score_grads = (probs * (d_probs - softmax_d[..., None])).astype(np.float32)  # [b, h, q, k]
+    # Rows scaled per tile: the dQ pass's dS by query over 32-key tiles, the dK/dV pass's dS^T by key over
+    # 32-query items (backward_traits.h float16_parts_dq_tile / float16_parts_dkdv_tile).
+    dq = softmax_scale * _parts_product("bhqk,bkhd->bqhd", score_grads, k32,
+                                        _row_scaled_parts(score_grads, 2, 3, DQ_KEY_TILE))
+    dk = softmax_scale * _parts_product("bhqk,bqhd->bkhd", score_grads, q32,
+                                        _row_scaled_parts(score_grads, 3, 2, DKDV_QUERY_TILE))
     sum_groups = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(axis=3)  # noqa: E731
     dk, dv = sum_groups(dk), sum_groups(dv)
-    p = _half_operands.PROBABILITY_SHIFT
     exponent = p + e_do + e_v
     return (np.asarray(_half_operands._scaled(jnp.asarray(dq, jnp.float32), -(exponent - s))),
             np.asarray(_half_operands._scaled(jnp.asarray(dk, jnp.float32), -(exponent + s))),
@@ -205,3 +235,16 @@ def test_the_kernels_float16_parts_stay_within_the_exact_bound(scales, causal):
     emulated = _kernel_emulation(q, k, v, o, d_o, d_lse, lse, 1.0 / np.sqrt(case.head_dim), causal)
     errors = _relative_errors(emulated, oracle_grads(q, k, v, d_o, d_lse=d_lse, causal=causal))
     assert max(errors.values()) <= EXACT_FLOAT32_RTOL, errors
+
+
+def test_long_sequences_keep_whole_lo_parts():
+    """65536 keys of spread attention (P ~ 2^-16): with the TF32 mode's scales (P' = 2^7 P, dO' of row norm ~1) the
+    lo parts of P' and dO' would be float16 subnormals (dv ~5e-6 off here), and with one static scale for dS' its
+    (dq, dk 1.5e-5); with FLOAT16_PARTS' (P' = 2^14 P, dO' ~2^6) and dS's rows scaled in the kernels, the error
+    stays at the short sequences' level."""
+    case = Case(batch=1, seqlen_q=4, seqlen_k=65536, heads_q=2, heads_kv=1, head_dim=128, dtype=jnp.float32, seed=8)
+    q, k, v, d_o, d_lse = _inputs(case, (1e-2, 1.0, 1.0, 1.0))
+    o, lse = jax_flash.attention(q, k, v, return_lse=True, float32_precision="highest")
+    emulated = _kernel_emulation(q, k, v, o, d_o, d_lse, lse, 1.0 / np.sqrt(case.head_dim), False)
+    errors = _relative_errors(emulated, oracle_grads(q, k, v, d_o, d_lse=d_lse))
+    assert max(errors.values()) <= 1e-6, errors

@@ -273,7 +273,7 @@ def _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal):
     halves = [np.asarray(_half_operands._scaled(x, e).astype(jnp.float16), np.float64)
               for x, e in ((q, s), (k, -s), (v, e_v), (o, e_v), (d_o, e_do))]
     q16, k16, v16, o16, do16 = halves
-    lse_shifted = np.asarray(lse, np.float64) - _half_operands.PROBABILITY_SHIFT * np.log(2.0)
+    lse_shifted = np.asarray(lse, np.float64) - _half_operands.FLOAT16_OPERANDS.probability_shift * np.log(2.0)
     d_lse_scaled = np.asarray(_half_operands._scaled_rows(d_lse, e_do + e_v), np.float64)
     group = q.shape[2] // k.shape[2]
     k16, v16 = np.repeat(k16, group, axis=2), np.repeat(v16, group, axis=2)
@@ -294,7 +294,7 @@ def _kernel_emulation(q, k, v, d_o, d_lse, lse, o, softmax_scale, causal):
     dk = softmax_scale * np.einsum("bhqk,bqhd->bkhd", ds16, q16)
     sum_groups = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(axis=3)  # noqa: E731
     dk, dv = sum_groups(dk), sum_groups(dv)
-    p = _half_operands.PROBABILITY_SHIFT
+    p = _half_operands.FLOAT16_OPERANDS.probability_shift
     exponent = p + e_do + e_v
     grads = (np.asarray(_half_operands._scaled(jnp.asarray(dq, jnp.float32), -(exponent - s))),
              np.asarray(_half_operands._scaled(jnp.asarray(dk, jnp.float32), -(exponent + s))),
@@ -322,7 +322,7 @@ def test_the_kernels_float16_roundings_stay_within_the_tf32_bound(scales, causal
 def test_the_probability_shift_keeps_long_sequences_within_the_bound():
     """262144 keys of near-uniform attention: each P is ~2^-18, a float16 subnormal with 6 significant bits unless
     shifted. With P' = 2^7 P the emulated kernel's dv is within the TF32 bound (6.5e-4 of its largest); unshifted it
-    was 8.0e-3, twice the bound (this test with PROBABILITY_SHIFT = 0 fails)."""
+    was 8.0e-3, twice the bound (this test fails with FLOAT16_OPERANDS's probability_shift = 0)."""
     case = Case(batch=1, seqlen_q=4, seqlen_k=262144, heads_q=2, heads_kv=1, head_dim=64, seed=5)
     q, k, v, d_o, d_lse = _inputs(case, (1e-2, 1.0, 1.0, 1.0))
     o, lse = jax_flash.attention(q, k, v, return_lse=True)

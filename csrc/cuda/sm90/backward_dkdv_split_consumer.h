@@ -11,7 +11,8 @@
 // consumer threads), i.e. after both have retired their dV/dK GEMMs of that item.
 // Float16 parts (Traits::kLowParts, d=128; float16_parts_backward_launch.h): K, V, Q, dO, P^T and dS^T each also as
 // a lo part in shared memory (`low`), every GEMM as three (split_tf32_mma.h issue_wgmma_parts), P^T and dS^T split
-// into float16 parts in registers before their stores, and dK and dV summed item by item: each item's three
+// into float16 parts in registers before their stores (dS^T first scaled row by row, row_scaled_parts.h, each row
+// of dK's partial scaled back), and dK and dV summed item by item: each item's three
 // products into a fresh float32 partial, added to the total with float32 adds (split_tf32_mma.h add_partial_sums
 // says why the tensor cores' own accumulation over a whole sequence would not do).
 #pragma once
@@ -27,6 +28,7 @@
 #include "backward_key_block.h"
 #include "backward_traits.h"
 #include "fragments.h"
+#include "row_scaled_parts.h"
 #include "split_tf32_mma.h"
 #include "transposed_scores.h"
 
@@ -36,6 +38,7 @@ namespace jax_flash::cuda::sm90 {
 constexpr int kSplitProbsStoredBarrier = 1;       // both halves of an item's P^T are in shared memory
 constexpr int kSplitScoreGradsStoredBarrier = 2;  // both halves of an item's dS^T are in shared memory
 constexpr int kSplitEpilogueBarrier = 3;          // both halves of dK and dV are staged in K's and V's buffers
+constexpr int kSplitExponentsBarrier = 4;         // float16 parts: both consumers published their dS^T rows' exponents
 
 // Stores float32 scores `acc` (P^T or dS^T, this warpgroup's columns) as the 16-bit A operand of the dK/dV GEMMs:
 // rounded into `hi`, or with kParts as float16 parts into `hi` and `lo`.
@@ -132,6 +135,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
       local_tile(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}), Shape<Int<kBlockN>, Int<kQueryCols>>{},
                  make_coord(0, group)))));
   const float scale_log2 = p.softmax_scale * sm80::kLog2e;
+  constexpr int kScoreRows = decltype(size<0>(coords))::value;  // this thread's keys: rows of S^T, dS^T, dK
 
   cutlass::arch::ClusterBarrier::wait(&smem.kv_full[0], 0);
   typename Traits::PipelineState read;  // Q/dO and their row stats advance in lock step
@@ -170,6 +174,22 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     warpgroup_wait<1>();  // dP^T is ready (it was issued before dV's GEMM, which may still run)
     warpgroup_fence_operand(acc_dp);
     transposed_score_grads(scores, dp, coords, smem.softmax_d[stage]);
+    // Float16 parts: each key's row of dS^T scaled by a power of two of its own (row_scaled_parts.h), the two
+    // consumers' halves of the row by the same one: each publishes its rows' exponents, and takes the larger.
+    [[maybe_unused]] int row_exponents[kScoreRows];
+    if constexpr (kParts) {
+      quad_row_exponents(dp, row_exponents);
+      if (thread % 4 == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kScoreRows; ++r) low.score_grad_exponents[group][get<0>(coords(r, 0))] = row_exponents[r];
+      }
+      named_barrier_sync(kSplitExponentsBarrier, Traits::kConsumerThreads);
+      CUTE_UNROLL
+      for (int r = 0; r < kScoreRows; ++r) {
+        row_exponents[r] = max(row_exponents[r], low.score_grad_exponents[1 - group][get<0>(coords(r, 0))]);
+      }
+      scale_rows_for_parts(dp, row_exponents);
+    }
     store_score_parts<kParts>(mma_sdp, thread, acc_dp, sdS_mine(_, _, buffer), sdS_lo_mine(_, _, buffer));
     fence_stores_for_async_proxy();
     named_barrier_sync(kSplitScoreGradsStoredBarrier, Traits::kConsumerThreads);
@@ -183,7 +203,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
     warpgroup_wait<0>();  // dV and dK read this stage's Q / dO: retired before it goes back
     if constexpr (kParts) {
       add_partial_sums(acc_dv, partial_dv);
-      add_partial_sums(acc_dk, partial_dk);
+      add_row_scaled_partial(acc_dk, partial_dk, row_exponents);
     }
     pipeline_qdo.consumer_release(read);
     ++read;
@@ -193,7 +213,7 @@ __device__ __forceinline__ void consume_query_tiles_split_head_dim(const Attenti
   // dP^T GEMMs (their only readers) retired before they met at the last item's dS^T barrier. Each warpgroup stages its
   // columns of dV and dK there; after a barrier all consumer threads store whole 16-byte row chunks.
   // One tensor at a time, so that the other's float accumulators are not live during the swizzled stores.
-  // Float32 gradients (of float16 operands) go straight from the accumulators to global memory instead.
+  // Float32 gradients (of float16 operands or parts) go straight from the accumulators to global memory instead.
   if constexpr (!std::is_same_v<typename Traits::OutElement, T>) {
     store_float_key_rows<kBlockN, kDkvCols>(p, kb, p.dv, mma_dkv, thread, acc_dv, group * kDkvCols);
     CUTE_UNROLL

@@ -12,7 +12,8 @@
 // For float32 inputs (Tf32DqTraits) the same producer and entry drive backward_dq_tf32_consumer.h's consumers.
 // Float16 parts (Traits::kLowParts; float16_parts_backward_launch.h): Q, dO, K and V each also as a lo part in
 // shared memory, every GEMM as three (split_tf32_mma.h issue_wgmma_parts), dS split into float16 parts in
-// registers, and dQ summed key tile by key tile in a float32 partial (add_partial_sums).
+// registers (each query's row first scaled by a power of two of its own, row_scaled_parts.h), and dQ summed key tile
+// by key tile in a float32 partial, its rows scaled back as it joins the total.
 #pragma once
 
 #include <cmath>
@@ -35,6 +36,7 @@
 #include "forward_kernel.h"  // RowBlock, locate_row_block: the dQ pass visits exactly the forward's key tiles
 #include "fragments.h"
 #include "masked_scores.h"
+#include "row_scaled_parts.h"
 #include "split_tf32_mma.h"
 #include "tma_shapes.h"
 #include "transformed_scores.h"
@@ -146,11 +148,13 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
 
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
-  // Float16 parts: one key tile's dQ products, added to acc_dq once retired (unused otherwise).
+  // Float16 parts: one key tile's dQ products, added to acc_dq once retired, with the exponents its dS rows were
+  // scaled by (row_scaled_parts.h; unused otherwise).
   Tensor partial_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor coords = sm80_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
   sm80::RowStats<kRows> stats;
+  [[maybe_unused]] int row_exponents[kRows];  // float16 parts: of the dS rows of the tile whose dQ GEMM is in flight
   stats.load(p, rb.batch, rb.head, rb.m0, coords);
   const float to_log2 = sm80::ScoreTile<false>::to_log2(p);
 
@@ -189,7 +193,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
                                     acc_dp);
     warpgroup_wait<0>();  // S, dP and the previous tile's dQ GEMM have retired
     if (n_block != rb.key_tiles.end - 1) {
-      if constexpr (kParts) add_partial_sums(acc_dq, partial_dq);
+      if constexpr (kParts) add_row_scaled_partial(acc_dq, partial_dq, row_exponents);  // the previous tile's
       pipeline_kv.consumer_release(previous);
     }
 
@@ -216,7 +220,10 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
       sm80::backward_scores<false, true>(scorer, p, no_dropout, s_view, dp_view, coords, stats, rb.m0, n0,
                                          to_log2);
     }
-    if constexpr (kParts) {
+    if constexpr (kParts) {  // each query's row of dS scaled by a power of two of its own (row_scaled_parts.h)
+      auto ds_rows = sm80::as_rows_cols(dp_view);
+      quad_row_exponents(ds_rows, row_exponents);
+      scale_rows_for_parts(ds_rows, row_exponents);
       split_registers(acc_dp, score_grads, score_grads_lo);
     } else {
       Tensor converted = sm80::converted<T>(acc_dp);
@@ -229,7 +236,7 @@ __device__ __forceinline__ void consume_key_tiles(const AttentionBackwardParams&
     ++read;
   }
   warpgroup_wait<0>();
-  if constexpr (kParts) add_partial_sums(acc_dq, partial_dq);
+  if constexpr (kParts) add_row_scaled_partial(acc_dq, partial_dq, row_exponents);
   pipeline_kv.consumer_release(previous);
 
   // Epilogue: dQ carries the softmax scale (transforms form: dS is d loss / d(scaled dot)); staged in this

@@ -316,8 +316,12 @@ struct DkdvSplitTraits {  // OutElement: as DkdvTraits'
   static constexpr uint32_t kKVBytes = kOperandParts * kBlockN * kHeadDim * sizeof(Element);
 
   using HiStorage = ScoresInSmemStorage<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS, kStages, kBlockM>;
-  using SharedStorage = std::conditional_t<
-      kLowParts, WithLowParts<HiStorage, DkdvLowParts<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS>>, HiStorage>;
+  // Float16 parts: the lo parts, and each consumer's exponents of its dS^T rows' maxima (row_scaled_parts.h: a
+  // key's row spans both consumers' queries, so they agree on its scale).
+  struct LowParts : DkdvLowParts<Element, SmemLayoutKV, SmemLayoutQ, SmemLayoutPdS> {
+    int score_grad_exponents[kConsumerGroups][kBlockN];
+  };
+  using SharedStorage = std::conditional_t<kLowParts, WithLowParts<HiStorage, LowParts>, HiStorage>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
 

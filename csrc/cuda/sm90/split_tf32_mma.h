@@ -31,11 +31,14 @@ __device__ __forceinline__ void split_to_tf32(float x, float& hi, float& lo) {
 }
 
 // The same split with float16 parts (the float16-parts backward, float16_parts_backward_launch.h): hi = fp16(x),
-// lo = fp16(x - hi), x - hi exact in float32. Its operands are scaled so that every x stays far below float16's
-// largest; lo is a float16 subnormal (fewer bits) only where x is below ~2^-3, far below its tensor's largest.
+// lo = fp16(x - hi), x - hi exact in float32. Its operands are scaled so that every x stays below float16's largest
+// and the elements that matter above ~2^-3, under which lo is a float16 subnormal with fewer bits
+// (jax_flash/_half_operands.py FLOAT16_PARTS). Beyond float16's range hi is infinite and lo 0 (not -inf, whose
+// products with hi would be NaN).
 __device__ __forceinline__ void split_to_float16(float x, cutlass::half_t& hi, cutlass::half_t& lo) {
   hi = cutlass::half_t(x);
-  lo = cutlass::half_t(x - float(hi));
+  const float rest = x - float(hi);
+  lo = cutlass::half_t(isinf(rest) ? 0.0f : rest);
 }
 
 // Register operand parts from float32 accumulators (the probabilities of P V, the float16 parts' P^T, dS^T and dS):
