@@ -4,6 +4,8 @@ so eval_shape, jit and jax.export work without running anything; vmap folds mapp
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -342,17 +344,22 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
 
-    def float32_gradients(q_: jax.Array, k_: jax.Array, v_: jax.Array, o_: jax.Array, lse_: jax.Array,
-                          d_o_: jax.Array, d_lse_: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        dq, dk, dv, _ = _backward_call(q_, k_, v_, o_, lse_, d_o_, d_lse_, masks, config, dense, False,
-                                       jnp.dtype(jnp.float32))
-        return dq, dk, dv
+    def scaled_backward(scheme: _half_operands.Scheme) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The backward on operands scaled for ``scheme``, whose call takes the scheme's softmax scale."""
+        scaled_config = dataclasses.replace(config, softmax_scale=scheme.softmax_scale(config.softmax_scale))
+
+        def float32_gradients(q_: jax.Array, k_: jax.Array, v_: jax.Array, o_: jax.Array, lse_: jax.Array,
+                              d_o_: jax.Array, d_lse_: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            dq, dk, dv, _ = _backward_call(q_, k_, v_, o_, lse_, d_o_, d_lse_, masks, scaled_config, dense, False,
+                                           jnp.dtype(jnp.float32))
+            return dq, dk, dv
+        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse, scheme)
 
     # Neither scaled route takes a bias, so neither wants dbias.
     if _uses_half_operands_backward(q, k, masks, config, dense):
-        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse)
+        return scaled_backward(_half_operands.FLOAT16_OPERANDS)
     if _uses_float16_parts_backward(q, k, masks, config, dense):
-        return _half_operands.backward(float32_gradients, q, k, v, o, lse, d_o, d_lse, _half_operands.FLOAT16_PARTS)
+        return scaled_backward(_half_operands.FLOAT16_PARTS)
     dq, dk, dv, dbias = _backward_call(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias,
                                        jnp.dtype(q.dtype))
     return (dq, dk, dv, dbias) if want_dbias else (dq, dk, dv)

@@ -10,7 +10,8 @@ TF32's exponent range; powers of two restore it, one per (batch row, KV head) sl
 computes each slice on its own, so a slice's factors need only agree within it), exact in float32 both ways:
 
 - q and k: ``q * 2^s`` and ``k * 2^-s``, which leaves every score, and so the call's static softmax scale, as it
-  was; s balances their largest elements (whose product must stay below 2^30, or they overflow float16).
+  was; s balances their largest elements (whose product must stay below 2^28, or they may overflow float16: each
+  is then below 2^15).
 - The probabilities: the kernel sees ``lse - 7 ln 2``, so its P' = 2^7 P keeps full float16 precision down to
   P = 2^-21 (as is, P below 2^-14 would be a float16 subnormal).
 - v (and o, its convex combinations) and dO: the kernel rounds dS' = P' (dP' - D') to float16. With
@@ -24,7 +25,7 @@ scale, documented in README):
   fewer significant bits; the norm-wise error, which the tests bound, does not see them;
 - q and k share one factor: where the largest |q| |k| of a slice is below about 2^-20, q' and k' are both small
   enough to lose bits as subnormals (dq and dk, relative to themselves, to ~1e-2 at elements of 1e-6), and above
-  2^30 they overflow float16 (inf gradients);
+  2^28 they may overflow float16 (inf gradients);
 - an lse cotangent far larger than |dO| |V| (by more than ~1000x) pushes dO' toward the subnormals, and dV, which it
   does not enter, loses bits (2e-3 relative at 1e6x, on the CPU).
 """
@@ -53,14 +54,23 @@ class Scheme:
       2^-24) wherever its value is below ~2^-3. With the TF32 mode's P' = 2^7 P, spread attention over 16k keys puts
       every P' there (P' ~ 2^-7), and dO' (row norm ~1) mostly too: emulated, dv was 5e-6 off at 64k keys and
       growing with them. With P' = 2^14 P and dO' of row norm ~2^6 both stay normal.
+    - ``qk_boost``: q' and k' both times 2^this more, the call's softmax scale times 2^(-2 this) (``softmax_scale``:
+      the scores stay as they were). For the float16 parts, whose lo parts of q' and k' (which dk and dq read as they
+      are) are subnormal below ~2^-3: with 5, a slice keeps them normal down to a largest |q| |k| of ~2^-16 (~2^-6
+      without) and may overflow float16 from 2^18 (logits of ~2^14 at head_dim 128) rather than 2^28.
     """
     operand_dtype: np.dtype
     probability_shift: int
     score_grad_exponent: int
+    qk_boost: int = 0
+
+    def softmax_scale(self, softmax_scale: float) -> float:
+        """The softmax scale the scheme's backward call takes (exactly: a power of two)."""
+        return softmax_scale * 2.0 ** (-2 * self.qk_boost)
 
 
 FLOAT16_OPERANDS = Scheme(np.dtype(np.float16), probability_shift=7, score_grad_exponent=14)
-FLOAT16_PARTS = Scheme(np.dtype(np.float32), probability_shift=14, score_grad_exponent=27)
+FLOAT16_PARTS = Scheme(np.dtype(np.float32), probability_shift=14, score_grad_exponent=27, qk_boost=5)
 # v's largest row norm is put in [2^3, 2^4).
 _V_ROW_NORM_EXPONENT = 4
 
@@ -159,7 +169,8 @@ def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Ar
              d_o: jax.Array, d_lse: jax.Array,
              scheme: Scheme = FLOAT16_OPERANDS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` float32 of a float32 call through ``call(q, k, v, o, lse, d_o, d_lse)``, the backward
-    custom call on the scaled operands with float32 gradients (its masks and attributes bound). The operands are
+    custom call on the scaled operands with float32 gradients (its masks and attributes bound, its softmax scale
+    ``scheme.softmax_scale`` of the call's). The operands are
     float16 (``FLOAT16_OPERANDS``, the TF32 mode), or the scaled float32 operands themselves (``FLOAT16_PARTS``,
     ``float32_precision="highest"``), which the float16-parts kernels split into float16 hi + lo parts
     (csrc/cuda/sm90/float16_parts_backward_launch.h): the bounds above keep hi in range (and lo, about 2^-11 of it).
@@ -167,15 +178,17 @@ def backward(call: GradCall, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Ar
     gradients to float32 rounding."""
     d_lse = d_lse.astype(jnp.float32)
     s, e_v, e_do = operand_exponents(q, k, v, o, d_o, d_lse, scheme)
+    a = scheme.qk_boost
     p = scheme.probability_shift
     lse_shifted = lse - jnp.float32(p * np.log(2.0))
 
     def operand(x: jax.Array, exponent: jax.Array) -> jax.Array:
         return _scaled(x, exponent).astype(scheme.operand_dtype)
 
-    dq, dk, dv = call(operand(q, s), operand(k, -s), operand(v, e_v), operand(o, e_v), lse_shifted,
+    dq, dk, dv = call(operand(q, s + a), operand(k, a - s), operand(v, e_v), operand(o, e_v), lse_shifted,
                       operand(d_o, e_do), _scaled_rows(d_lse, e_do + e_v))
-    # dS' = 2^(p + e_do + e_v) dS; dQ' = scale dS' K' and dK' = scale dS'^T Q', dV' = P'^T dO'.
-    score_grad_exponent = p + e_do + e_v
+    # dS' = 2^(p + e_do + e_v) dS; with the call's scale 2^-2a scale, dQ' = scale' dS' K' = 2^(p + e_do + e_v - a - s)
+    # scale dS K, dK' = scale' dS'^T Q' = 2^(p + e_do + e_v - a + s) scale dS^T Q, and dV' = P'^T dO'.
+    score_grad_exponent = p + e_do + e_v - a
     return (_scaled(dq, -(score_grad_exponent - s)), _scaled(dk, -(score_grad_exponent + s)),
             _scaled(dv, -(p + e_do)))

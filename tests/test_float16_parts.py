@@ -189,8 +189,10 @@ def _kernel_emulation(q, k, v, o, d_o, d_lse, lse, softmax_scale, causal):
     which the kernels sum item by item, is benchmarks/emulate_split_products.py's subject)."""
     scheme = _half_operands.FLOAT16_PARTS
     s, e_v, e_do = _half_operands.operand_exponents(q, k, v, o, d_o, d_lse, scheme)
+    a = scheme.qk_boost
     scaled = [np.asarray(_half_operands._scaled(x, e), np.float32)
-              for x, e in ((q, s), (k, -s), (v, e_v), (o, e_v), (d_o, e_do))]
+              for x, e in ((q, s + a), (k, a - s), (v, e_v), (o, e_v), (d_o, e_do))]
+    softmax_scale = scheme.softmax_scale(softmax_scale)  # the call's
     q32, k32, v32, o32, do32 = scaled
     p = scheme.probability_shift
     lse_shifted = np.asarray(lse, np.float64) - p * np.log(2.0)
@@ -215,15 +217,16 @@ def _kernel_emulation(q, k, v, o, d_o, d_lse, lse, softmax_scale, causal):
                                         _row_scaled_parts(score_grads, 3, 2, DKDV_QUERY_TILE))
     sum_groups = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(axis=3)  # noqa: E731
     dk, dv = sum_groups(dk), sum_groups(dv)
-    exponent = p + e_do + e_v
+    exponent = p + e_do + e_v - a
     return (np.asarray(_half_operands._scaled(jnp.asarray(dq, jnp.float32), -(exponent - s))),
             np.asarray(_half_operands._scaled(jnp.asarray(dk, jnp.float32), -(exponent + s))),
             np.asarray(_half_operands._scaled(jnp.asarray(dv, jnp.float32), -(p + e_do))))
 
 
 @pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5), (1e-20, 1e20, 1e-25, 1e25)),
-                         ids=("unit", "spread", "extreme"))
+@pytest.mark.parametrize("scales", ((1.0, 1.0, 1.0, 1.0), (1e-3, 1e3, 1e4, 1e-5), (1e-20, 1e20, 1e-25, 1e25),
+                                    (1e-3, 1e-3, 1.0, 1.0)),
+                         ids=("unit", "spread", "extreme", "small_qk"))  # small_qk: 1.8e-5 without qk_boost
 def test_the_kernels_float16_parts_stay_within_the_exact_bound(scales, causal):
     """What CI's reference handler cannot show (it computes in float32): with the kernel's float16 parts of every
     GEMM operand, emulated, the gradients stay within the exact mode's 1e-5 of the float64 reference (and no part
