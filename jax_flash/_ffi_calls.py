@@ -138,7 +138,8 @@ def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, confi
 FLOAT16_PARTS_BACKWARD_ENV = "JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16"
 
 # The float16-parts backward's kernel head dim (csrc/cuda/generate_instantiations.py SM90_FLOAT16_PARTS_HEAD_DIMS).
-# Calls up to head_dim 64 keep split TF32 (about 2x XLA's "highest" there), rather than running half-empty tiles.
+# Calls up to head_dim 64 keep split TF32 (1.1-2.2x XLA's "highest" there on the H200, 1.3x on an H100), rather than
+# running half-empty tiles.
 _FLOAT16_PARTS_HEAD_DIM = 128
 _FLOAT16_PARTS_MIN_HEAD_DIM = 72
 
@@ -148,7 +149,7 @@ def _uses_float16_parts_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
     """Whether a float32 backward with ``float32_precision="highest"`` runs on float16 hi and lo parts of operands
     scaled by powers of two (``_half_operands``; csrc/cuda/sm90/float16_parts_backward_launch.h: the 16-bit Hopper
     backward with three products per product, about float32's accuracy): ``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=1``
-    (read when the backward is traced; off by default: not yet run on a GPU), head_dim a multiple of 8 from 72 to
+    (read when the backward is traced; off by default until run on an H200 with racecheck), head_dim a multiple of 8 from 72 to
     128, the common form (no bias, mask, dropout, softcap or ALiBi, a positive scale), non-empty sequences. The call
     then carries the float16-parts workspace in its ``dq_accum`` slot, which the CUDA handler takes as the sign to run
     those kernels on compute capability 9.x (elsewhere the exact kernels run the same scaled operands); on the CPU
@@ -307,8 +308,8 @@ def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
                                  dense: DenseOperands) -> bool:
     """Whether a float32 backward in the TF32 mode runs on float16 operands scaled by powers of two
     (``_half_operands``: TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients):
-    ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default: not yet run on a
-    GPU), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal): head_dim a
+    ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default until its whole GPU
+    suite has run), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal): head_dim a
     multiple of 8 up to 256, no bias or dropout, a positive scale, non-empty sequences; softcap, ALiBi and boolean
     masks up to head_dim 128, within those forms' 32-bit offsets (ALiBi distances below 2^30, mask strides below
     2^23). Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the GPU those kernels need

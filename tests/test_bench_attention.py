@@ -50,6 +50,20 @@ def test_rows_compute_their_feature(implementation, feature, causal):
         assert np.max(np.abs(plain - want)) > 1e-2, "the feature does not change this call: the test is vacuous"
 
 
+def _kernel_head_dim_inputs(head_dim: int, seed: int):
+    """Unit-scale float32 q, k, v at a head dim the float32 Hopper kernels have (HEAD_DIM is below them)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return [jax.random.normal(key, (BATCH, SEQLEN, HEADS, head_dim), jnp.float32) for key in keys]
+
+
+def _lowered_gradient(row: str, q, k, v) -> str:
+    """The lowered module of the row's causal gradient step, traced under its kernel families."""
+    with bench.kernel_families(row):
+        attend = bench.attention_fn(row, True)
+        step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
+        return jax.jit(step).lower(q, k, v).as_text()
+
+
 def _set_or_unset(monkeypatch, name: str, setting: str | None) -> None:
     """The process's value of a switch for a test: `setting`, or unset for None."""
     if setting is None:
@@ -71,12 +85,7 @@ def test_split_row_traces_with_the_split_tf32_switch_and_restores_it(monkeypatch
     q, k, v = inputs()
     workspaces = ("tensor<{}x{}x{}xf32>".format(*_ffi_calls.split_tf32_workspace_shape(q, k)),
                   "tensor<{}x{}x{}xf32>".format(*_ffi_calls.backward_parts_workspace_shape(q, k)))
-    lowered = {}
-    for row in ("jax_flash_f32_split", "jax_flash_f32_highest"):
-        with bench.kernel_families(row):
-            attend = bench.attention_fn(row, True)
-            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
-            lowered[row] = jax.jit(step).lower(q, k, v).as_text()
+    lowered = {row: _lowered_gradient(row, q, k, v) for row in ("jax_flash_f32_split", "jax_flash_f32_highest")}
     for workspace in workspaces:
         assert workspace in lowered["jax_flash_f32_split"]
         assert workspace not in lowered["jax_flash_f32_highest"]
@@ -92,8 +101,7 @@ def test_fp16ops_row_traces_its_backward_on_float16_operands(monkeypatch, settin
 
     switch = _ffi_calls.HALF_OPERANDS_BACKWARD_ENV
     _set_or_unset(monkeypatch, switch, setting)
-    keys = jax.random.split(jax.random.key(1), 3)
-    q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 64), jnp.float32) for key in keys)  # a kernel head dim
+    q, k, v = _kernel_head_dim_inputs(64, seed=1)
     operand_types = {}
     for row in ("jax_flash_tf32_fp16ops", "jax_flash_tf32"):
         with bench.kernel_families(row):
@@ -113,15 +121,9 @@ def test_fp16parts_row_traces_its_backward_on_float16_parts(monkeypatch, setting
 
     switch = _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV
     _set_or_unset(monkeypatch, switch, setting)
-    keys = jax.random.split(jax.random.key(2), 3)
-    q, k, v = (jax.random.normal(key, (BATCH, SEQLEN, HEADS, 128), jnp.float32) for key in keys)
+    q, k, v = _kernel_head_dim_inputs(128, seed=2)
     shape = "x".join(map(str, _ffi_calls.backward_parts_workspace_shape(q, k)))
-    lowered = {}
-    for row in ("jax_flash_f32_fp16parts", "jax_flash_f32_split"):
-        with bench.kernel_families(row):
-            attend = bench.attention_fn(row, True)
-            step = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))
-            lowered[row] = jax.jit(step).lower(q, k, v).as_text()
+    lowered = {row: _lowered_gradient(row, q, k, v) for row in ("jax_flash_f32_fp16parts", "jax_flash_f32_split")}
     assert f"tensor<{shape}xf16>" in lowered["jax_flash_f32_fp16parts"]
     assert f"tensor<{shape}xf32>" in lowered["jax_flash_f32_split"]
     assert os.environ.get(switch) == setting

@@ -92,7 +92,6 @@ struct DkdvTraits {
   using OutElement = OutElement_;
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
-  static constexpr bool kSplitTf32 = false;
   static constexpr bool kLowParts = false;  // operands as hi and lo parts (split TF32, float16 parts)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr BackwardTile kTile = dkdv_tile(kHeadDim);
@@ -262,7 +261,6 @@ struct DkdvSplitTraits {  // OutElement: as DkdvTraits'
   using OutElement = OutElement_;
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
-  static constexpr bool kSplitTf32 = false;
   static constexpr bool kLowParts = kLowParts_;
   static_assert(!kLowParts || (std::is_same_v<Element, cutlass::half_t> && std::is_same_v<OutElement, float> &&
                                kHeadDim_ == 128));
@@ -426,7 +424,6 @@ struct DqTraits {
   using OutElement = OutElement_;
   static_assert(std::is_same_v<OutElement, Element> || std::is_same_v<OutElement, float>);
   static constexpr bool kTf32 = false;
-  static constexpr bool kSplitTf32 = false;
   static constexpr bool kLowParts = kLowParts_;
   static_assert(!kLowParts || (std::is_same_v<Element, cutlass::half_t> && std::is_same_v<OutElement, float>));
   static constexpr int kOperandParts = kLowParts ? 2 : 1;

@@ -30,12 +30,21 @@ __device__ __forceinline__ void split_to_tf32(float x, float& hi, float& lo) {
   lo = tf32_high_part(x - hi);
 }
 
-// The same split with float16 parts (the float16-parts backward, float16_parts_backward_launch.h): hi = fp16(x),
-// lo = fp16(x - hi), x - hi exact in float32. Its operands are scaled so that every x stays below float16's largest
-// and the elements that matter above ~2^-3, under which lo is a float16 subnormal with fewer bits
-// (jax_flash/_half_operands.py FLOAT16_PARTS). Beyond float16's range hi is infinite and lo 0 (not -inf, whose
-// products with hi would be NaN).
-__device__ __forceinline__ void split_to_float16(float x, cutlass::half_t& hi, cutlass::half_t& lo) {
+// x as hi + lo in the parts' type, one overload set for the pre-pass (split_tf32_prepass.h: float or float16 parts in
+// the workspace) and the register splits below (TF32 or float16 parts):
+// - split TF32 (split_to_tf32), as float32 bits, or as tfloat32_t register operands;
+// - float16 parts (the float16-parts backward, float16_parts_backward_launch.h): hi = fp16(x), lo = fp16(x - hi),
+//   x - hi exact in float32. Its operands are scaled so that every x stays below float16's largest and the elements
+//   that matter above ~2^-3, under which lo is a float16 subnormal with fewer bits (jax_flash/_half_operands.py
+//   FLOAT16_PARTS). Beyond float16's range hi is infinite and lo 0 (not -inf, whose products with hi would be NaN).
+__device__ __forceinline__ void split_into_parts(float x, float& hi, float& lo) { split_to_tf32(x, hi, lo); }
+__device__ __forceinline__ void split_into_parts(float x, cutlass::tfloat32_t& hi, cutlass::tfloat32_t& lo) {
+  float h, l;
+  split_to_tf32(x, h, l);
+  hi = cutlass::tfloat32_t::bitcast(__float_as_uint(h));
+  lo = cutlass::tfloat32_t::bitcast(__float_as_uint(l));
+}
+__device__ __forceinline__ void split_into_parts(float x, cutlass::half_t& hi, cutlass::half_t& lo) {
   hi = cutlass::half_t(x);
   const float rest = x - float(hi);
   lo = cutlass::half_t(isinf(rest) ? 0.0f : rest);
@@ -46,16 +55,7 @@ __device__ __forceinline__ void split_to_float16(float x, cutlass::half_t& hi, c
 template <class Acc, class Part>
 __device__ __forceinline__ void split_registers(Acc const& acc, Part& hi, Part& lo) {
   CUTE_UNROLL
-  for (int i = 0; i < cute::size(acc); ++i) {
-    if constexpr (std::is_same_v<typename Part::value_type, cutlass::half_t>) {
-      split_to_float16(acc(i), hi(i), lo(i));
-    } else {
-      float h, l;
-      split_to_tf32(acc(i), h, l);
-      hi(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(h));
-      lo(i) = cutlass::tfloat32_t::bitcast(__float_as_uint(l));
-    }
-  }
+  for (int i = 0; i < cute::size(acc); ++i) split_into_parts(acc(i), hi(i), lo(i));
 }
 
 // issue_wgmma (fragments.h) of A * B; with kSplit the three partial products, the two small ones first, as one

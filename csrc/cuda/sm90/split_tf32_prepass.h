@@ -15,12 +15,6 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// x as hi + lo: split TF32's parts or float16 parts (split_tf32_mma.h).
-__device__ __forceinline__ void split_into_parts(float x, float& hi, float& lo) { split_to_tf32(x, hi, lo); }
-__device__ __forceinline__ void split_into_parts(float x, cutlass::half_t& hi, cutlass::half_t& lo) {
-  split_to_float16(x, hi, lo);
-}
-
 // Four consecutive parts, stored at once (16 bytes of float, 8 of float16).
 template <class Part>
 struct alignas(4 * sizeof(Part)) PartQuad {
