@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import NamedTuple
 
@@ -22,6 +23,25 @@ def switch_on(variable: str, default: bool = True) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{variable} must be 0 or 1, not {value!r}")
     return default if value == "" else value == "1"
+
+
+@functools.cache
+def gpus_are_hopper() -> bool:
+    """Whether this process has GPUs and all of them are of compute capability 9.x: the default of the Hopper float32
+    paths' switches (``_ffi_calls``). Elsewhere their workspaces and operand scaling would be work for nothing, and
+    the TF32 mode's backward on float16 operands has no kernel (sm80 GPUs) or runs on the CPU reference."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return False
+    return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9") for d in devices)
+
+
+def hopper_switch_on(variable: str) -> bool:
+    """``switch_on(variable)`` defaulting to on where every GPU is a Hopper (``gpus_are_hopper``), else off."""
+    if os.environ.get(variable, ""):
+        return switch_on(variable)
+    return gpus_are_hopper()  # only when unset: it starts the GPU backend
 
 
 KEY_MASK_FORM_ENV = "JAX_FLASH_KEY_MASK_FORM"

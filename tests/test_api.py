@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi_calls, _mask_blocks, _registration
+from jax_flash import _config, _ffi_calls, _mask_blocks, _registration
 from attention_cases import Case
 
 
@@ -257,12 +257,14 @@ def test_raw_target_accepts_the_split_tf32_workspace_and_checks_its_size():
         jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, 64 * 24)))
 
 
-@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none")])
+@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none"), ("hopper", "split")])
 def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected):
     """JAX_FLASH_SM90_SPLIT_TF32=1 gives float32 "highest" calls of the common form the split-TF32 workspace (its
-    shape is in the lowered call); unset or 0, none. Either way the CPU result is the same exact float32."""
+    shape is in the lowered call); 0, none; unset, the workspace where every GPU is a Hopper ("hopper") and none
+    elsewhere. Either way the CPU result is the same exact float32."""
     q, k, v = _inputs()
-    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, setting)
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: setting == "hopper")
+    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, "" if setting == "hopper" else setting)
     call = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, float32_precision="highest")
     text = jax.jit(call).lower(q, k, v).as_text()
     split_type = "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1])

@@ -1029,6 +1029,18 @@ def test_sm90_dense_can_be_turned_off(dense, monkeypatch):
 FLOAT32_MODES = ("highest", "tf32")
 EXACT_FLOAT32_RTOL = 1e-5
 
+# The Hopper float32 paths' switches (on by default on a Hopper GPU): the split-TF32 forward and backward, the exact
+# mode's backward on float16 parts, the TF32 mode's backward on float16 operands.
+FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
+                         _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
+
+
+def only_float32_paths(monkeypatch, *on: str):
+    """Turns on the named switches of FLOAT32_PATH_SWITCHES and off the others: a test of one path runs that path
+    (or the SIMT / TF32 kernels, with none named) whatever the defaults."""
+    for variable in FLOAT32_PATH_SWITCHES:
+        monkeypatch.setenv(variable, "1" if variable in on else "0")
+
 
 # Inputs are unit normals, so the largest element of an output or gradient is O(1). A gradient that is zero in
 # theory (one visible key: the softmax is constant) comes out as rounding noise of dP - rowsum(dO * O), terms of
@@ -1079,11 +1091,16 @@ def assert_within_tf32_bound(name, ours, xla_tf32, reference, scale):
     assert_within_bound(name, ours, xla_tf32, reference, jnp.float32, scale=scale, tf32=True)
 
 
-@pytest.mark.parametrize("precision", FLOAT32_MODES)
+# "simt": "highest" with every Hopper float32 path off, so that the exact SIMT kernels (the mode's kernels for bias,
+# mask and dropout, and on GPUs other than Hoppers) stay tested on a Hopper in the common form too.
+@pytest.mark.parametrize("precision", FLOAT32_MODES + ("simt",))
 @pytest.mark.parametrize("head_dim", (64, 128, 7, 40, 100))
 @pytest.mark.parametrize("seqlens", ((1, 1), (17, 17), (1000, 1000), (17, 300), (300, 17)),
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_float32_shapes(precision, head_dim, seqlens):
+def test_float32_shapes(precision, head_dim, seqlens, monkeypatch):
+    if precision == "simt":
+        only_float32_paths(monkeypatch)
+        precision = "highest"
     case = Case(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=jnp.float32, seed=head_dim + 3)
     check_float32_on_gpu(case, precision, causal=(seqlens[0] + head_dim) % 2 == 0)
 
@@ -1145,6 +1162,7 @@ HOPPER_FLOAT32_SHAPES = pytest.mark.parametrize(
 def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    only_float32_paths(monkeypatch)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1])
@@ -1161,7 +1179,7 @@ def test_float32_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkey
 def test_float32_tf32_backward_on_float16_operands(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 2)
     assert_backward_takes_float16_operands(case, **feature_kwargs(feature, case))
@@ -1174,7 +1192,7 @@ def test_float32_tf32_backward_on_float16_operands_deterministic(head_dim, monke
     runs."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
     case = Case(batch=2, seqlen_q=300, seqlen_k=777, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
                 seed=head_dim + 5)
     assert_backward_takes_float16_operands(case, deterministic=True)
@@ -1199,7 +1217,7 @@ def test_float32_tf32_backward_on_float16_operands_forms(head_dim, feature, monk
     """The transforms (softcap, ALiBi) and masked forms of the float32-gradient kernels, as the test above."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_TF32_BACKWARD_FP16", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
     case = Case(batch=2, seqlen_q=200, seqlen_k=260, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
                 seed=head_dim + len(feature))
     if feature == "mask":
@@ -1218,7 +1236,7 @@ def test_float32_tf32_backward_on_float16_operands_forms(head_dim, feature, monk
 def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.SPLIT_TF32_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32", "sm90")
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[0])
@@ -1234,8 +1252,7 @@ def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, m
 def test_float32_split_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.delenv("JAX_FLASH_SM90_SPLIT_TF32", raising=False)
-    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32_BACKWARD", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.SPLIT_TF32_BACKWARD_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 1)
@@ -1250,8 +1267,7 @@ def test_float32_split_tf32_backward_on_sm90_long_sums(head_dim, monkeypatch):
     The passes sum each item in a fresh accumulator (split_tf32_mma.h add_partial_sums): ~1e-6 emulated."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.delenv("JAX_FLASH_SM90_SPLIT_TF32", raising=False)
-    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32_BACKWARD", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.SPLIT_TF32_BACKWARD_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
                 seed=head_dim + 11)
@@ -1264,7 +1280,7 @@ def test_float32_split_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypa
     run (no atomics; a stage released before its loads landed would show here, as in the TF32 passes)."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_SPLIT_TF32_BACKWARD", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.SPLIT_TF32_BACKWARD_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=2, seqlen_q=300, seqlen_k=1024, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32)
     q, k, v = _on(GPUS[0], *case.inputs())
@@ -1283,7 +1299,7 @@ def test_float32_split_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypa
 def test_float32_highest_backward_on_float16_parts(head_dim, seqlens, heads, feature, monkeypatch):
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=heads[0], heads_kv=heads[1],
                 head_dim=head_dim, dtype=jnp.float32, seed=head_dim + seqlens[1] + 3)
@@ -1296,7 +1312,7 @@ def test_float32_highest_backward_on_float16_parts_long_sums_and_magnitudes(monk
     both directions (the scaling's powers of two): within the exact bound; bit-identical runs (no atomics)."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16", "1")
+    only_float32_paths(monkeypatch, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.float32,
                 seed=17)
@@ -1328,6 +1344,7 @@ def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
     K stage before its loads had landed, dQ differed from run to run (and from the reference) in these shapes."""
     if not _is_hopper():
         pytest.skip("the sm90 kernel needs a compute capability 9.x GPU")
+    only_float32_paths(monkeypatch)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm90")
     case = Case(batch=2, seqlen_q=300, seqlen_k=1024, heads_q=4, heads_kv=4, head_dim=head_dim, dtype=jnp.float32)
     q, k, v = _on(GPUS[0], *case.inputs())
@@ -1340,6 +1357,7 @@ def test_float32_tf32_backward_on_sm90_is_bit_identical(head_dim, monkeypatch):
 def test_float32_tf32_backward_on_the_mma_sync_passes(head_dim, feature, monkeypatch):
     """sm80 keeps the mma.sync TF32 passes, which on a Hopper GPU run only the calls the sm90 ones refuse by default
     (bias, dropout, softcap, ALiBi): these common-form calls keep them tested there."""
+    only_float32_paths(monkeypatch)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "sm80")
     case = Case(batch=2, seqlen_q=300, seqlen_k=777, heads_q=4, heads_kv=2, head_dim=head_dim, dtype=jnp.float32,
                 seed=head_dim)
@@ -1349,6 +1367,7 @@ def test_float32_tf32_backward_on_the_mma_sync_passes(head_dim, feature, monkeyp
 def test_float32_tf32_backward_kernel_switch(monkeypatch):
     q, k, v = _on(GPUS[0], *Case(dtype=jnp.float32, head_dim=64).inputs())
     d_o = jax.device_put(jax.random.normal(jax.random.key(3), q.shape, jnp.float32), GPUS[0])
+    only_float32_paths(monkeypatch)
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", "fast")
     with pytest.raises(Exception, match="JAX_FLASH_CUDA_KERNEL_F32_BACKWARD must be sm80, sm90 or auto"):
         jax.block_until_ready(grads(q, k, v, d_o, float32_precision="tf32"))

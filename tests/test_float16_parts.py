@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi_calls, _half_operands, _registration
+from jax_flash import _config, _ffi_calls, _half_operands, _registration
 from attention_cases import Case, feature_kwargs, gradient_inputs, max_error, oracle_grads
 
 EXACT_FLOAT32_RTOL = 1e-5
@@ -24,9 +24,9 @@ DKDV_QUERY_TILE = 32
 
 @pytest.fixture(autouse=True)
 def automatic_choices(monkeypatch):
-    for name in ("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
-                 _ffi_calls.HALF_OPERANDS_BACKWARD_ENV):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", raising=False)
+    for name in (_ffi_calls.SPLIT_TF32_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV):
+        monkeypatch.setenv(name, "0")  # on by default on a Hopper GPU
 
 
 def _grads_call(float32_precision="highest", **kwargs):
@@ -64,7 +64,8 @@ def _relative_errors(grads, references) -> dict[str, float]:
     ("1", 72, {}, True),
     ("1", 96, {"window_size": (5, 3)}, True),
     ("0", 128, {}, False),
-    ("", 128, {}, False),  # off by default
+    ("", 128, {}, False),  # unset: off without a Hopper GPU
+    ("hopper", 128, {}, True),  # unset: on where every GPU is a Hopper
     ("1", 64, {}, False),  # up to 64: split TF32 or the exact kernels
     ("1", 100, {}, False),  # float16 TMA rows: multiples of 8
     ("1", 136, {}, False),  # no kernel above 128
@@ -75,7 +76,8 @@ def _relative_errors(grads, references) -> dict[str, float]:
     ("1", 128, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, False),
 ))
 def test_switch_head_dim_and_form_choose_the_float16_parts(switch, head_dim, kwargs, expected, monkeypatch):
-    monkeypatch.setenv(_ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, switch)
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: switch == "hopper")
+    monkeypatch.setenv(_ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, "" if switch == "hopper" else switch)
     case = Case(seqlen_q=33, seqlen_k=40, head_dim=head_dim, dtype=jnp.float32, seed=3)
     q, k, v, d_o, d_lse = _inputs(case)
     lines = _backward_lines(_grads_call(**kwargs), q, k, v, d_o, d_lse)

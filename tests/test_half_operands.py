@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi_calls, _half_operands
+from jax_flash import _config, _ffi_calls, _half_operands
 from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, backward_call_operand_types,
                               block_structured_mask, feature_kwargs, gradient_inputs, max_error, oracle_grads)
 
@@ -81,7 +81,8 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {}, "f16"),
     ("1", {"causal": True}, "f16"),
     ("0", {}, "f32"),
-    ("", {}, "f32"),  # off by default
+    ("", {}, "f32"),  # unset: off without a Hopper GPU
+    ("hopper", {}, "f16"),  # unset: on where every GPU is a Hopper
     ("1", {"float32_precision": "highest"}, "f32"),
     ("1", {"softcap": 20.0}, "f16"),  # the transforms form
     ("1", {"mask": jnp.ones((2, 1, 33, 40), bool)}, "f16"),  # the masked form
@@ -91,7 +92,8 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"fused_dq": "0"}, "f16"),  # likewise
 ))
 def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
-    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: switch == "hopper")
+    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "" if switch == "hopper" else switch)
     kwargs = dict(kwargs)
     if "fused_dq" in kwargs:
         monkeypatch.setenv("JAX_FLASH_FUSED_DQ", kwargs.pop("fused_dq"))
