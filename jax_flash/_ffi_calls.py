@@ -112,10 +112,11 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
     """Whether a forward call gets the split-TF32 workspace, which the CUDA handler takes as the sign to run the
     split-TF32 Hopper forward on compute capability 9.x (csrc/common/tf32_workspace.h: each float32 operand as two
     TF32 parts, three TF32 products per product, about float32's accuracy; elsewhere the workspace goes unused):
-    float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32`` on (read when the call is traced;
-    unset: on where every GPU is a Hopper, ``_config.gpus_are_hopper``), head_dim <= 128 and a multiple of 4, no
-    dropout; softcap, ALiBi, bias and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32 forward)."""
-    return (q.dtype == jnp.float32 and not config.allow_tf32 and hopper_switch_on(SPLIT_TF32_ENV)
+    float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32=1`` (read when the call is traced;
+    off by default until the d=64 kernel's per-key-tile partial sums have run on a GPU), head_dim <= 128 and a
+    multiple of 4, no dropout; softcap, ALiBi, bias and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32
+    forward)."""
+    return (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
             and _fits_hopper_float32_forward(q, masks, config, dense))
 
 
