@@ -1029,8 +1029,9 @@ def test_sm90_dense_can_be_turned_off(dense, monkeypatch):
 FLOAT32_MODES = ("highest", "tf32")
 EXACT_FLOAT32_RTOL = 1e-5
 
-# The Hopper float32 paths' switches (on by default on a Hopper GPU): the split-TF32 forward and backward, the exact
-# mode's backward on float16 parts, the TF32 mode's backward on float16 operands.
+# The Hopper float32 paths' switches (_ffi_calls; unset, the float16 parts are on on a Hopper GPU, the others off):
+# the split-TF32 forward and backward, the exact mode's backward on float16 parts, the TF32 mode's backward on
+# float16 operands.
 FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
                          _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
 
@@ -1246,7 +1247,7 @@ def test_float32_split_tf32_forward_on_sm90(head_dim, seqlens, heads, feature, m
 # The split-TF32 backward passes (float32_precision="highest" with JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1: the TF32 dK/dV
 # and dQ passes with every operand as two TF32 parts; csrc/cuda/sm90/split_tf32_backward_launch.h) must meet the exact
 # mode's bound, gradients included. Forcing sm90 (JAX_FLASH_CUDA_KERNEL_F32_BACKWARD) makes a call they cannot run an
-# error, so a pass shows they computed it; the forward is the exact kernel's (its own switch left unset).
+# error, so a pass shows they computed it; the forward is the exact kernel's (its own switch off).
 @pytest.mark.parametrize("head_dim", (64, 128, 36, 100), ids=lambda d: f"d{d}")
 @HOPPER_FLOAT32_SHAPES
 def test_float32_split_tf32_backward_on_sm90(head_dim, seqlens, heads, feature, monkeypatch):

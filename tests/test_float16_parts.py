@@ -26,7 +26,7 @@ DKDV_QUERY_TILE = 32
 def automatic_choices(monkeypatch):
     monkeypatch.delenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", raising=False)
     for name in (_ffi_calls.SPLIT_TF32_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV):
-        monkeypatch.setenv(name, "0")  # on by default on a Hopper GPU
+        monkeypatch.setenv(name, "0")  # whatever their defaults
 
 
 def _grads_call(float32_precision="highest", **kwargs):

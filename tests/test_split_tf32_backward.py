@@ -21,7 +21,7 @@ EXACT_FLOAT32_RTOL = 1e-5
 def automatic_choices(monkeypatch):
     monkeypatch.delenv("JAX_FLASH_CUDA_KERNEL_F32_BACKWARD", raising=False)  # the exact runs must not be forced
     for name in (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV):
-        monkeypatch.setenv(name, "0")  # on by default on a Hopper GPU; float16 parts would take d=128 calls
+        monkeypatch.setenv(name, "0")  # float16 parts, on by default on a Hopper GPU, would take d=128 calls
 
 
 def _grads_call(**kwargs):
