@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
+from jax_flash import _config
 
 ATOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-3, jnp.dtype(jnp.float16): 5e-4}
 
@@ -211,6 +212,14 @@ def bit_identical_runs(compute_grads, runs: int = 3) -> list:
         for first, again in zip(results[0], run):
             np.testing.assert_array_equal(first, again)
     return results[0]
+
+
+def set_path_switch(monkeypatch, variable: str, setting: str) -> None:
+    """A float32 path's switch (jax_flash/_ffi_calls.py) for a routing test: "1", "0" or "" (unset) as the
+    environment value on a process without Hopper GPUs; "hopper" unset, as in a process whose GPUs are all Hoppers
+    (jax_flash._config.gpus_are_hopper patched), where some switches default to on."""
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: setting == "hopper")
+    monkeypatch.setenv(variable, "" if setting == "hopper" else setting)
 
 
 def max_error(x, reference) -> float:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _config, _ffi_calls, _mask_blocks, _registration
-from attention_cases import Case
+from jax_flash import _ffi_calls, _mask_blocks, _registration
+from attention_cases import Case, set_path_switch
 
 
 def _inputs(**overrides):
@@ -263,8 +263,7 @@ def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected)
     shape is in the lowered call); 0 or unset, none, on a Hopper too ("hopper": opt-in until the d=64 kernel's
     per-key-tile sums have run on a GPU). Either way the CPU result is the same exact float32."""
     q, k, v = _inputs()
-    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: setting == "hopper")
-    monkeypatch.setenv(_ffi_calls.SPLIT_TF32_ENV, "" if setting == "hopper" else setting)
+    set_path_switch(monkeypatch, _ffi_calls.SPLIT_TF32_ENV, setting)
     call = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, float32_precision="highest")
     text = jax.jit(call).lower(q, k, v).as_text()
     split_type = "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ffi_calls
+from jax_flash import _config, _ffi_calls
 from attention_cases import (FEATURES, Case, assert_within_bound, backward_call_operand_types, bit_identical_runs,
                               block_structured_mask, feature_kwargs, grads, max_error, oracle, oracle_grads)
 
@@ -61,7 +61,7 @@ FORWARD_KERNELS = ("sm80", "sm90")
 
 
 def _is_hopper():
-    return bool(GPUS) and str(getattr(GPUS[0], "compute_capability", "")).startswith("9")
+    return _config.gpus_are_hopper()  # the library's own test, which also sets the float32 paths' defaults
 
 
 def use_forward_kernel(monkeypatch, kernel: str, head_dim: int):

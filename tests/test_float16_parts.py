@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _config, _ffi_calls, _half_operands, _registration
-from attention_cases import Case, feature_kwargs, gradient_inputs, max_error, oracle_grads
+from jax_flash import _ffi_calls, _half_operands, _registration
+from attention_cases import Case, feature_kwargs, gradient_inputs, max_error, oracle_grads, set_path_switch
 
 EXACT_FLOAT32_RTOL = 1e-5
 # The tiles over which the kernels scale score-gradient rows (csrc/cuda/sm90/backward_traits.h float16_parts_dq_tile's
@@ -76,8 +76,7 @@ def _relative_errors(grads, references) -> dict[str, float]:
     ("1", 128, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, False),
 ))
 def test_switch_head_dim_and_form_choose_the_float16_parts(switch, head_dim, kwargs, expected, monkeypatch):
-    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: switch == "hopper")
-    monkeypatch.setenv(_ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, "" if switch == "hopper" else switch)
+    set_path_switch(monkeypatch, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, switch)
     case = Case(seqlen_q=33, seqlen_k=40, head_dim=head_dim, dtype=jnp.float32, seed=3)
     q, k, v, d_o, d_lse = _inputs(case)
     lines = _backward_lines(_grads_call(**kwargs), q, k, v, d_o, d_lse)

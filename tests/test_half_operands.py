@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _config, _ffi_calls, _half_operands
+from jax_flash import _ffi_calls, _half_operands
 from attention_cases import (TF32_ROUNDING, Case, assert_within_bound, backward_call_operand_types,
-                              block_structured_mask, feature_kwargs, gradient_inputs, max_error, oracle_grads)
+                              block_structured_mask, feature_kwargs, gradient_inputs, max_error, oracle_grads,
+                              set_path_switch)
 
 def _grads(q, k, v, d_o, d_lse, **kwargs):
     """A fresh jitted gradient function (jit's trace cache does not know the switch, read when traced)."""
@@ -92,8 +93,7 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"fused_dq": "0"}, "f16"),  # likewise
 ))
 def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
-    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: switch == "hopper")
-    monkeypatch.setenv(_ffi_calls.HALF_OPERANDS_BACKWARD_ENV, "" if switch == "hopper" else switch)
+    set_path_switch(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
     kwargs = dict(kwargs)
     if "fused_dq" in kwargs:
         monkeypatch.setenv("JAX_FLASH_FUSED_DQ", kwargs.pop("fused_dq"))
