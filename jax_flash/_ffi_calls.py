@@ -112,11 +112,10 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
     """Whether a forward call gets the split-TF32 workspace, which the CUDA handler takes as the sign to run the
     split-TF32 Hopper forward on compute capability 9.x (csrc/common/tf32_workspace.h: each float32 operand as two
     TF32 parts, three TF32 products per product, about float32's accuracy; elsewhere the workspace goes unused):
-    float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32=1`` (read when the call is traced;
-    off by default until the d=64 kernel's per-key-tile partial sums have run on a GPU), head_dim <= 128 and a
-    multiple of 4, no dropout; softcap, ALiBi, bias and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32
-    forward)."""
-    return (q.dtype == jnp.float32 and not config.allow_tf32 and switch_on(SPLIT_TF32_ENV, default=False)
+    float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32`` on (read when the call is traced;
+    unset: on where every GPU is a Hopper, ``_config.gpus_are_hopper``), head_dim <= 128 and a multiple of 4, no
+    dropout; softcap, ALiBi, bias and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32 forward)."""
+    return (q.dtype == jnp.float32 and not config.allow_tf32 and hopper_switch_on(SPLIT_TF32_ENV)
             and _fits_hopper_float32_forward(q, masks, config, dense))
 
 
@@ -128,11 +127,11 @@ def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, confi
     """Whether a backward call gets the split-TF32 workspace (in its ``dq_accum`` slot, which float32 calls use for
     nothing else), which the CUDA handler takes as the sign to run the Hopper TF32 backward passes in split TF32 on
     compute capability 9.x (csrc/cuda/sm90/split_tf32_backward_launch.h; elsewhere it goes unused): float32 with
-    ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1`` (read when the backward is traced;
-    off by default until its tests pass on a GPU since the per-item partial sums), head_dim <= 128 and a multiple of
-    4, and the common form those passes have (no bias, mask, dropout, softcap or ALiBi, a positive scale)."""
+    ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD`` on (read when the backward is traced;
+    unset: on where every GPU is a Hopper), head_dim <= 128 and a multiple of 4, and the common form those
+    passes have (no bias, mask, dropout, softcap or ALiBi, a positive scale)."""
     return (q.dtype == jnp.float32 and not config.allow_tf32
-            and switch_on(SPLIT_TF32_BACKWARD_ENV, default=False)
+            and hopper_switch_on(SPLIT_TF32_BACKWARD_ENV)
             and _fits_hopper_float32_tiles(q, config) and _is_common_form(masks, config, dense))
 
 
@@ -308,21 +307,21 @@ _HALF_OPERANDS_MAX_FORMS_HEAD_DIM = 128
 def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands, config: ScoreConfig,
                                  dense: DenseOperands) -> bool:
     """Whether a float32 backward in the TF32 mode runs on float16 operands scaled by powers of two (``_half_operands``:
-    TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients):
-    ``JAX_FLASH_SM90_TF32_BACKWARD_FP16=1`` (read when the backward is traced; off by default until its d=96 / 192
-    kernels and every d=64 case have run on a GPU), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu
-    sm90_backward_refusal): head_dim a multiple of 8 up to 256, no bias or dropout, a positive scale, non-empty
-    sequences; softcap, ALiBi and boolean masks up to head_dim 128, within those forms' 32-bit offsets (ALiBi distances
-    below 2^30, mask strides below 2^23). Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the
-    GPU those kernels need compute capability 9.x (elsewhere the call fails with the handler's error); on the CPU the
-    reference handler runs the same scaled float16 operands."""
+    TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients): ``JAX_FLASH_SM90_TF32_BACKWARD_FP16``
+    on (read when the backward is traced; unset: on where every GPU is a Hopper, since elsewhere no kernel takes such a
+    call), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal): head_dim a multiple
+    of 8 up to 256, no bias or dropout, a positive scale, non-empty sequences; softcap, ALiBi and boolean masks up to
+    head_dim 128, within those forms' 32-bit offsets (ALiBi distances below 2^30, mask strides below 2^23).
+    Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the GPU those kernels need compute
+    capability 9.x (elsewhere the call fails with the handler's error); on the CPU the reference handler runs the same
+    scaled float16 operands."""
     head_dim = q.shape[-1]
     seqlen_q, seqlen_k = q.shape[-3], k.shape[-3]
     has_alibi = masks.alibi_slopes.shape[-1] > 0
     per_element = has_alibi or dense.has_mask or config.softcap != 0
     alibi_fits = not has_alibi or abs(config.diagonal_offset) + 2 * (seqlen_q + seqlen_k) < 2 ** 30
     mask_fits = not dense.has_mask or seqlen_k + 1 < 2 ** 23  # query stride + key stride at most
-    return (q.dtype == jnp.float32 and config.allow_tf32 and switch_on(HALF_OPERANDS_BACKWARD_ENV, default=False)
+    return (q.dtype == jnp.float32 and config.allow_tf32 and hopper_switch_on(HALF_OPERANDS_BACKWARD_ENV)
             and head_dim % 8 == 0 and head_dim <= _HALF_OPERANDS_MAX_HEAD_DIM
             and (not per_element or head_dim <= _HALF_OPERANDS_MAX_FORMS_HEAD_DIM)
             and config.dropout_rate == 0 and not dense.has_bias and config.softmax_scale > 0

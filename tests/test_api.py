@@ -257,11 +257,11 @@ def test_raw_target_accepts_the_split_tf32_workspace_and_checks_its_size():
         jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, 64 * 24)))
 
 
-@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none"), ("hopper", "none")])
+@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none"), ("hopper", "split")])
 def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected):
     """JAX_FLASH_SM90_SPLIT_TF32=1 gives float32 "highest" calls of the common form the split-TF32 workspace (its
-    shape is in the lowered call); 0 or unset, none, on a Hopper too ("hopper": opt-in until the d=64 kernel's
-    per-key-tile sums have run on a GPU). Either way the CPU result is the same exact float32."""
+    shape is in the lowered call); 0, none; unset, the workspace where every GPU is a Hopper ("hopper") and none
+    elsewhere. Either way the CPU result is the same exact float32."""
     q, k, v = _inputs()
     set_path_switch(monkeypatch, _ffi_calls.SPLIT_TF32_ENV, setting)
     call = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, float32_precision="highest")

@@ -83,7 +83,7 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"causal": True}, "f16"),
     ("0", {}, "f32"),
     ("", {}, "f32"),  # unset: off without a Hopper GPU
-    ("hopper", {}, "f32"),  # unset: off on a Hopper too, until every kernel of it has run on one
+    ("hopper", {}, "f16"),  # unset: on where every GPU is a Hopper
     ("1", {"float32_precision": "highest"}, "f32"),
     ("1", {"softcap": 20.0}, "f16"),  # the transforms form
     ("1", {"mask": jnp.ones((2, 1, 33, 40), bool)}, "f16"),  # the masked form

@@ -1,13 +1,13 @@
 """Small float32 grid for compute-sanitizer: forward and backward of both float32 modes on odd shapes (partial
 tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
   XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 float32_memcheck.py
-(or --tool racecheck: device_run.sh's f32_memcheck and f32_racecheck stages). On a Hopper GPU the "highest" backwards
-of the common-form cases at head dims 72..128 (multiples of 8: d=128 segments, 300 x 777 and the causal 104) run the
-float16-parts passes by default (jax_flash/_config.py gpus_are_hopper; JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16=0 keeps
-them on the exact SIMT kernels). With JAX_FLASH_SM90_SPLIT_TF32=1 the "highest" forwards of the common-form cases run
-the split-TF32 kernel, with JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1 the other common-form "highest" backwards the
-split-TF32 passes; with JAX_FLASH_SM90_TF32_BACKWARD_FP16=1 the "tf32" backwards at head dims 64..128 (multiples of
-8) run on scaled float16 operands (the 16-bit Hopper backward's float32-gradient forms).
+(or --tool racecheck: device_run.sh's f32_memcheck and f32_racecheck stages). On a Hopper GPU the float32 paths'
+defaults apply (jax_flash/_config.py gpus_are_hopper): the "highest" forwards of the common-form cases run the
+split-TF32 kernel, their backwards the float16-parts passes at head dims 72..128 (multiples of 8: d=128 segments,
+300 x 777 and the causal 104) and the split-TF32 passes below; the "tf32" backwards at head dims 64..128 (multiples of
+8) run on scaled float16 operands (the 16-bit Hopper backward's float32-gradient forms). Set
+JAX_FLASH_SM90_SPLIT_TF32, _SPLIT_TF32_BACKWARD, _HIGHEST_BACKWARD_FP16 and _TF32_BACKWARD_FP16 to 0 for the exact
+SIMT and TF32 kernels instead.
 Prints one line per case; finite outputs are checked so that a silent failure still shows."""
 import itertools
 
