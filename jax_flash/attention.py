@@ -231,13 +231,15 @@ def attention(
       implementation: ``None`` for the jax_flash kernels of the current platform, ``"xla"`` for the pure-JAX
         reference path (materialises the score matrix; also accepts float64).
       float32_precision: for float32 inputs on the GPU (ignored otherwise): ``"tf32"`` (default, like XLA's
-        default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation;
-        ``"highest"`` keeps every product and sum in float32 (SIMT FMA, slower; on compute capability 9.x
-        ``JAX_FLASH_SM90_SPLIT_TF32=1`` and ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD=1`` run its forward and backward
-        in split TF32 instead, about float32's accuracy on the tensor cores: README). Forward and backward use the
-        same mode. Also accepts ``jax.lax.Precision`` as XLA reads it for float32 on the GPU: ``DEFAULT`` and
-        ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact. ``bias``,
-        ``mask`` and dropout work in both modes.
+        default float32 matmul precision on the GPU) multiplies on TF32 tensor cores with float32 accumulation
+        (on compute capability 9.x its backward runs on float16 operands scaled by powers of two, which keep TF32's
+        significant bits); ``"highest"`` gives float32's accuracy: on compute capability 9.x at head_dim <= 128
+        mostly on the tensor cores (operands split into two TF32 or float16 parts, three products per product;
+        dropout, and in the backward softcap, ALiBi, bias and mask, excepted), elsewhere every product and sum in
+        float32 (SIMT FMA, slower). README's switch table names each path's switch and where it applies. Forward
+        and backward use the same mode. Also accepts ``jax.lax.Precision`` as XLA reads it for float32 on the GPU:
+        ``DEFAULT`` and ``HIGH`` are ``"tf32"``, ``HIGHEST`` is ``"highest"``. The CPU kernels are always exact.
+        ``bias``, ``mask`` and dropout work in both modes.
 
     Returns:
       ``o`` of shape ``[batch, seqlen_q, heads_q, head_dim]`` in the input dtype, or ``(o, lse)`` when
