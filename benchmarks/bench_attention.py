@@ -44,7 +44,8 @@ FLOAT32_MODE = {"jax_flash_tf32": "tf32", "jax_flash_tf32_fp16ops": "tf32",  # j
                 "jax_flash_f32_highest": "highest", "jax_flash_f32_split": "highest",
                 "jax_flash_f32_fp16parts": "highest"}
 # JAX_FLASH_SM90_TF32_BACKWARD_FP16 per row (read when its functions are traced): the TF32 mode's backward on the TF32
-# kernels, or on scaled float16 operands (jax_flash/_half_operands.py).
+# kernels, or on scaled float16 operands (jax_flash/_half_operands.py). Every row pins its switches, so on a Hopper the
+# defaults are the fp16ops row (TF32 mode) and the fp16parts row (exact mode).
 HALF_OPERANDS_SWITCH = {"jax_flash_tf32": "0", "jax_flash_tf32_fp16ops": "1"}
 # JAX_FLASH_SM90_SPLIT_TF32 and JAX_FLASH_SM90_SPLIT_TF32_BACKWARD per row (read when its functions are traced):
 # "highest" on the exact float32 kernels, or on the split-TF32 Hopper forward and backward passes.
