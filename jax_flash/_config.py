@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import os
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,10 @@ def switch_on(variable: str, default: bool = True) -> bool:
 
 @functools.cache
 def gpus_are_hopper() -> bool:
-    """Whether this process has GPUs and all of them are of compute capability 9.x: the default of the Hopper float32
-    paths' switches (``_ffi_calls``). Elsewhere their workspaces and operand scaling would be work for nothing, and
-    the TF32 mode's backward on float16 operands has no kernel (sm80 GPUs) or runs on the CPU reference."""
+    """Whether this process has GPUs and all of them are of compute capability 9.x: where the Hopper float32 paths'
+    switches (``_ffi_calls``) default to on, for the calls lowered for CUDA (``per_platform``). On other GPUs their
+    workspaces and operand scaling would be work for nothing, and the TF32 mode's backward on float16 operands has no
+    kernel there."""
     try:
         devices = jax.devices("gpu")
     except RuntimeError:  # no GPU backend in this process
@@ -37,11 +40,43 @@ def gpus_are_hopper() -> bool:
     return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9") for d in devices)
 
 
+# The default of the Hopper paths' unset switches inside a ``per_platform`` branch; None outside one.
+_hopper_paths_default: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jax_flash_hopper_paths_default",
+                                                                                    default=None)
+
+
 def hopper_switch_on(variable: str) -> bool:
-    """``switch_on(variable)`` defaulting to on where every GPU is a Hopper (``gpus_are_hopper``), else off."""
+    """``switch_on(variable)``, where unset on in a call lowered for CUDA in a process whose GPUs are all Hoppers and
+    off elsewhere (``per_platform`` tells a call's platform; outside it, ``gpus_are_hopper`` alone decides)."""
     if os.environ.get(variable, ""):
         return switch_on(variable)
-    return gpus_are_hopper()  # only when unset: it starts the GPU backend
+    default = _hopper_paths_default.get()
+    return gpus_are_hopper() if default is None else default  # only when unset: gpus_are_hopper starts the GPU backend
+
+
+T = TypeVar("T")
+
+
+def per_platform(trace: Callable[[], T]) -> T:
+    """``trace()`` (the custom calls of one float32 call), traced once per platform it may be lowered for, with the
+    Hopper paths' unset switches (``hopper_switch_on``) on for CUDA and off for every other platform: a call that
+    runs on the CPU of a machine with Hopper GPUs stays the CPU reference, exact in float32 (the TF32 mode's float16
+    operands would round its inputs, and the parts workspaces would go unused). ``jax.lax.platform_dependent`` lowers
+    only the branch of the platform that runs it. Where no GPU is a Hopper the defaults are off everywhere: one
+    trace."""
+    if not gpus_are_hopper():
+        return trace()
+
+    def with_default(default: bool) -> Callable[[], T]:
+        def branch() -> T:
+            token = _hopper_paths_default.set(default)
+            try:
+                return trace()
+            finally:
+                _hopper_paths_default.reset(token)
+        return branch
+
+    return jax.lax.platform_dependent(cuda=with_default(True), default=with_default(False))
 
 
 KEY_MASK_FORM_ENV = "JAX_FLASH_KEY_MASK_FORM"

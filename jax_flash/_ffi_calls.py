@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jax_flash import _gqa_packing, _half_operands, _kv_split, _mask_blocks
-from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig, hopper_switch_on, switch_on
+from jax_flash._config import DenseOperands, MaskOperands, ScoreConfig, hopper_switch_on, per_platform, switch_on
 from jax_flash._registration import BACKWARD_TARGET, FORWARD_TARGET
 
 
@@ -210,8 +210,18 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
             dense: DenseOperands | None = None) -> tuple[jax.Array, jax.Array]:
     """Runs the forward kernel. Returns ``(o [B, Sq, Hq, D], lse [B, Hq, Sq] float32)``. Short GQA calls run
     with the query heads of each KV head packed into the query rows (``_gqa_packing``); calls with few query tiles
-    against many keys run their keys in chunks, merged by lse (``_kv_split``)."""
+    against many keys run their keys in chunks, merged by lse (``_kv_split``). A float32 call is traced per platform
+    (``per_platform``: the Hopper paths are for CUDA only)."""
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
+
+    def trace() -> tuple[jax.Array, jax.Array]:
+        return _forward_calls(q, k, v, masks, config, dense)
+    return per_platform(trace) if q.dtype == jnp.float32 else trace()
+
+
+def _forward_calls(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
+                   dense: DenseOperands) -> tuple[jax.Array, jax.Array]:
+    """``forward``'s custom calls, routed by the switches as they stand in this trace."""
     group = _gqa_packing.group_to_pack(q, k, masks, config, dense)
     if group > 1:
         q, masks, config = _gqa_packing.pack(q, masks, config, group)
@@ -341,10 +351,20 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
     ``dkdv_tail`` (``dkdv_tail_shape``); empty placeholders otherwise. On a float32 call ``dq_accum`` is instead
     a parts workspace: split TF32's where ``_uses_split_tf32_backward_workspace``, float16 parts' (of operands
     scaled by ``_half_operands``) where ``_uses_float16_parts_backward``. Float32 calls in the TF32 mode may run on
-    scaled float16 operands instead (``_uses_half_operands_backward``).
+    scaled float16 operands instead (``_uses_half_operands_backward``). A float32 call is traced per platform
+    (``per_platform``: those paths are for CUDA only).
     """
     dense = DenseOperands.absent(q.shape[0]) if dense is None else dense
 
+    def trace() -> tuple[jax.Array, ...]:
+        return _backward_calls(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias)
+    return per_platform(trace) if q.dtype == jnp.float32 else trace()
+
+
+def _backward_calls(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,
+                    d_lse: jax.Array, masks: MaskOperands, config: ScoreConfig, dense: DenseOperands,
+                    want_dbias: bool) -> tuple[jax.Array, ...]:
+    """``backward``'s custom calls, routed by the switches as they stand in this trace."""
     def scaled_backward(scheme: _half_operands.Scheme) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The backward on operands scaled for ``scheme``, whose call takes the scheme's softmax scale."""
         scaled_config = dataclasses.replace(config, softmax_scale=scheme.softmax_scale(config.softmax_scale))

@@ -123,8 +123,10 @@ def operand_exponents(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, d_
     # < 2^4, and a factor 2 of margin for the operands' roundings). In exponents, c's two terms are below
     # 2^(e(max|dO_i|) + 1 + 4) and 2^(e(max|dlse_i|) + e_v), so c < 2^(larger + 1): integer arithmetic, which no
     # magnitude overflows.
-    *lead, heads_q, seqlen_q = d_lse.shape
-    d_lse_max = jnp.max(jnp.abs(d_lse.reshape(*lead, heads_kv, heads_q // heads_kv * seqlen_q)), axis=-1)
+    *lead, heads_q, _ = d_lse.shape
+    # Rows first: merging the heads with a sharded sequence axis is a reshape that explicit mesh axes refuse.
+    row_max = jnp.max(jnp.abs(d_lse), axis=-1)
+    d_lse_max = jnp.max(row_max.reshape(*lead, heads_kv, heads_q // heads_kv), axis=-1)
     e_c = jnp.maximum(_exponent(_slice_max_row_norm(d_o, heads_kv)) + 1 + _V_ROW_NORM_EXPONENT,
                       jnp.where(d_lse_max > 0, _exponent(d_lse_max) + e_v, jnp.iinfo(jnp.int32).min // 2)) + 1
     e_do = scheme.score_grad_exponent - scheme.probability_shift - 1 - e_c

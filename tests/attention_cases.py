@@ -196,10 +196,12 @@ def grads(q, k, v, d_o, implementation=None, d_lse=None, **kwargs):
     return jax.grad(_loss(attend, d_o, d_lse, jnp.float32), argnums=(0, 1, 2))(q, k, v)
 
 
-def backward_call_operand_types(loss, *args) -> list[str]:
+def backward_call_operand_types(loss, *args, platforms: tuple[str, ...] | None = None) -> list[str]:
     """The operand types of each backward custom call in the jitted gradient of ``loss`` at ``args``, as written in
-    the lowered module (e.g. "tensor<2x17x4x64xf16>, ..."): which call a routing rule chose."""
-    text = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).as_text()
+    the module lowered for ``platforms`` (default: this process's backend; e.g. "tensor<2x17x4x64xf16>, ..."): which
+    call a routing rule chose."""
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
+        lowering_platforms=platforms).as_text()
     calls = [line for line in text.splitlines() if "jax_flash_attention_backward" in line]
     return [call.split(" : (")[1].split(") -> ")[0] for call in calls]
 
@@ -214,12 +216,16 @@ def bit_identical_runs(compute_grads, runs: int = 3) -> list:
     return results[0]
 
 
-def set_path_switch(monkeypatch, variable: str, setting: str) -> None:
+def set_path_switch(monkeypatch, variable: str, setting: str) -> tuple[str, ...] | None:
     """A float32 path's switch (jax_flash/_ffi_calls.py) for a routing test: "1", "0" or "" (unset) as the
     environment value on a process without Hopper GPUs; "hopper" unset, as in a process whose GPUs are all Hoppers
-    (jax_flash._config.gpus_are_hopper patched), where some switches default to on."""
-    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: setting == "hopper")
-    monkeypatch.setenv(variable, "" if setting == "hopper" else setting)
+    (jax_flash._config.gpus_are_hopper patched), where the switches default to on in calls lowered for CUDA;
+    "hopper-cpu" the same for a call lowered for the CPU, where they stay off. Returns the platforms to lower the
+    test's call for (None: this process's backend)."""
+    on_hopper = setting.startswith("hopper")
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: on_hopper)
+    monkeypatch.setenv(variable, "" if on_hopper else setting)
+    return {"hopper": ("cuda",), "hopper-cpu": ("cpu",)}.get(setting)
 
 
 def max_error(x, reference) -> float:

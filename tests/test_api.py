@@ -257,20 +257,50 @@ def test_raw_target_accepts_the_split_tf32_workspace_and_checks_its_size():
         jax.block_until_ready(_raw_forward(q, k, v, q.shape, (2, 4, 19), workspace_shape=(2, 2, 64 * 24)))
 
 
-@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none"), ("hopper", "split")])
+@pytest.mark.parametrize("setting, expected", [("1", "split"), ("0", "none"), ("", "none"), ("hopper", "split"),
+                                              ("hopper-cpu", "none")])
 def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected):
     """JAX_FLASH_SM90_SPLIT_TF32=1 gives float32 "highest" calls of the common form the split-TF32 workspace (its
-    shape is in the lowered call); 0, none; unset, the workspace where every GPU is a Hopper ("hopper") and none
-    elsewhere. Either way the CPU result is the same exact float32."""
+    shape is in the lowered call); 0, none; unset, the workspace in calls lowered for CUDA where every GPU is a
+    Hopper ("hopper"; not in those lowered for its CPU) and none elsewhere. Either way the CPU result is the same
+    exact float32."""
     q, k, v = _inputs()
-    set_path_switch(monkeypatch, _ffi_calls.SPLIT_TF32_ENV, setting)
+    platforms = set_path_switch(monkeypatch, _ffi_calls.SPLIT_TF32_ENV, setting)
     call = lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, causal=True, float32_precision="highest")
-    text = jax.jit(call).lower(q, k, v).as_text()
+    text = jax.jit(call).trace(q, k, v).lower(lowering_platforms=platforms).as_text()
     split_type = "tensor<2x2x{}xf32>".format(_ffi_calls.split_tf32_workspace_shape(q, k)[-1])
     assert (split_type in text) == (expected == "split")
     o = call(q, k, v)
     monkeypatch.delenv(_ffi_calls.SPLIT_TF32_ENV)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(call(q, k, v)))
+
+
+FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
+                         _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "highest"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_calls_on_a_hopper_machine_stay_exact(monkeypatch, precision, head_dim):
+    """A process whose GPUs are all Hoppers defaults the float32 paths on, but only for calls lowered for CUDA
+    (``_config.per_platform``): on its CPU, outputs and gradients are the CPU reference's, bit for bit (the TF32
+    mode's float16 operands would round the inputs: d=64 and 128 take them, and 128 the float16 parts in "highest")."""
+    q, k, v = Case(seqlen_q=33, seqlen_k=40, head_dim=head_dim, seed=head_dim).inputs()
+
+    def results():
+        def loss(q_, k_, v_):
+            o = jax_flash.attention(q_, k_, v_, causal=True, float32_precision=precision)
+            return jnp.sum(o * jnp.cos(o)), o
+        grads, o = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(x) for x in (o, *grads)]
+
+    for variable in FLOAT32_PATH_SWITCHES:
+        set_path_switch(monkeypatch, variable, "hopper-cpu")
+    on_hopper = results()
+    for variable in FLOAT32_PATH_SWITCHES:
+        set_path_switch(monkeypatch, variable, "")
+    for got, want in zip(on_hopper, results()):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("forms, kwargs, expected", [

@@ -42,8 +42,8 @@ def _inputs(case: Case, scales=(1.0, 1.0, 1.0, 1.0)):
     return gradient_inputs(case, scales, seed_offset=5)
 
 
-def _backward_lines(call, *args) -> list[str]:
-    text = call.lower(*args).as_text()
+def _backward_lines(call, *args, platforms=None) -> list[str]:
+    text = call.trace(*args).lower(lowering_platforms=platforms).as_text()
     return [line for line in text.splitlines() if f"@{_registration.BACKWARD_TARGET}" in line]
 
 
@@ -65,7 +65,8 @@ def _relative_errors(grads, references) -> dict[str, float]:
     ("1", 96, {"window_size": (5, 3)}, True),
     ("0", 128, {}, False),
     ("", 128, {}, False),  # unset: off without a Hopper GPU
-    ("hopper", 128, {}, True),  # unset: on where every GPU is a Hopper
+    ("hopper", 128, {}, True),  # unset: on where every GPU is a Hopper, in calls lowered for CUDA
+    ("hopper-cpu", 128, {}, False),  # but not on its CPU
     ("1", 64, {}, False),  # up to 64: split TF32 or the exact kernels
     ("1", 100, {}, False),  # float16 TMA rows: multiples of 8
     ("1", 136, {}, False),  # no kernel above 128
@@ -76,10 +77,10 @@ def _relative_errors(grads, references) -> dict[str, float]:
     ("1", 128, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}, False),
 ))
 def test_switch_head_dim_and_form_choose_the_float16_parts(switch, head_dim, kwargs, expected, monkeypatch):
-    set_path_switch(monkeypatch, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, switch)
+    platforms = set_path_switch(monkeypatch, _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, switch)
     case = Case(seqlen_q=33, seqlen_k=40, head_dim=head_dim, dtype=jnp.float32, seed=3)
     q, k, v, d_o, d_lse = _inputs(case)
-    lines = _backward_lines(_grads_call(**kwargs), q, k, v, d_o, d_lse)
+    lines = _backward_lines(_grads_call(**kwargs), q, k, v, d_o, d_lse, platforms=platforms)
     assert len(lines) == 1
     operands = lines[0].split(" : (")[1].split(") -> ")[0]
     assert "xf16>" not in operands, "the float16 parts are the kernels' own: the call's operands stay float32"

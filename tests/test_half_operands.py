@@ -69,11 +69,12 @@ def test_exponents_leave_zero_and_non_finite_tensors_unscaled():
     assert s == 0
 
 
-def _backward_gradient_dtypes(q, k, v, **kwargs):
-    """"f16" or "f32" per backward custom call in the jitted gradient of a float32 call: its operands' type."""
+def _backward_gradient_dtypes(q, k, v, platforms=None, **kwargs):
+    """"f16" or "f32" per backward custom call in the jitted gradient of a float32 call (lowered for ``platforms``):
+    its operands' type."""
     def loss(q_, k_, v_):
         return jnp.sum(jax_flash.attention(q_, k_, v_, **kwargs))
-    calls = backward_call_operand_types(loss, q, k, v)
+    calls = backward_call_operand_types(loss, q, k, v, platforms=platforms)
     assert calls
     return ["f16" if "xf16>" in call else "f32" for call in calls], calls
 
@@ -83,7 +84,8 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"causal": True}, "f16"),
     ("0", {}, "f32"),
     ("", {}, "f32"),  # unset: off without a Hopper GPU
-    ("hopper", {}, "f16"),  # unset: on where every GPU is a Hopper
+    ("hopper", {}, "f16"),  # unset: on where every GPU is a Hopper, in calls lowered for CUDA
+    ("hopper-cpu", {}, "f32"),  # but not on its CPU: the reference stays exact
     ("1", {"float32_precision": "highest"}, "f32"),
     ("1", {"softcap": 20.0}, "f16"),  # the transforms form
     ("1", {"mask": jnp.ones((2, 1, 33, 40), bool)}, "f16"),  # the masked form
@@ -93,12 +95,12 @@ def _backward_gradient_dtypes(q, k, v, **kwargs):
     ("1", {"fused_dq": "0"}, "f16"),  # likewise
 ))
 def test_switch_and_form_choose_the_half_operand_call(switch, kwargs, expected, monkeypatch):
-    set_path_switch(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
+    platforms = set_path_switch(monkeypatch, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV, switch)
     kwargs = dict(kwargs)
     if "fused_dq" in kwargs:
         monkeypatch.setenv("JAX_FLASH_FUSED_DQ", kwargs.pop("fused_dq"))
     q, k, v = Case(seqlen_q=33, seqlen_k=40, head_dim=64, seed=1).inputs()
-    kinds, calls = _backward_gradient_dtypes(q, k, v, **kwargs)
+    kinds, calls = _backward_gradient_dtypes(q, k, v, platforms, **kwargs)
     assert kinds == [expected], calls
 
 

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from jax_flash import _relayout
+from jax_flash import _config, _relayout
 from attention_cases import FEATURES, Case, feature_kwargs
 from sharding_cases import DTYPE, NUM_DEVICES, TOLERANCE, compare_sharded, mesh, needs_devices
 
@@ -138,6 +138,23 @@ def test_explicit_mesh_axes():
     sharding = NamedSharding(m, P("data", "seq"))
     q = jax.device_put(CASE.inputs()[0], sharding)
     assert jax.jit(lambda x: jax_flash.attention(x, x[:, :, :4], x[:, :, :4]))(q).sharding.is_equivalent_to(sharding, 4)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "highest"])
+@pytest.mark.parametrize("mesh_name", ["data_heads", "data_seq", "explicit"])
+def test_float32_on_a_hopper_machine(monkeypatch, precision, mesh_name):
+    """Where every GPU is a Hopper, float32 calls are traced for CUDA too (``_config.per_platform``): at head_dim 72
+    the TF32 mode's backward on float16 operands, "highest"'s split-TF32 forward and float16-parts backward, each
+    scaling its operands per slice. Those traces must hold under batch, head and sequence (ring) sharding and explicit
+    mesh axes, and the results stay the unsharded call's (on the CPU, its exact kernels)."""
+    monkeypatch.setattr(_config, "gpus_are_hopper", lambda: True)
+    case = Case(batch=2, seqlen_q=16, seqlen_k=16, heads_q=8, heads_kv=4, head_dim=72, dtype=jnp.float32, seed=72)
+    if mesh_name == "explicit":
+        m, spec = mesh(("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2), P("data", "seq")
+    else:
+        names, spec, shape = MESHES[mesh_name]
+        m = mesh(names, shape)
+    compare_sharded(*case.inputs(), {"causal": True, "float32_precision": precision}, m, spec)
 
 
 def test_vmap_over_sharded_inputs():
