@@ -7,6 +7,7 @@ the same-dtype pure-JAX attention (``implementation="xla"``) plus a small absolu
 from __future__ import annotations
 
 import dataclasses
+import unittest.mock
 from typing import Any
 
 import jax
@@ -77,21 +78,30 @@ def feature_kwargs(feature: str, case: Case) -> dict[str, Any]:
     raise ValueError(feature)
 
 
-def forward_call_operand_shapes(q, k, v, **kwargs) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The (q, k) operand shapes of every forward custom call in the jaxpr of jax_flash.attention: what GQA
-    packing and the split-KV forward made of the call."""
-    jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
-    shapes = []
+def forward_calls(q, k, v, **kwargs) -> list[Any]:
+    """The forward custom calls (ffi_call equations: results o, lse, workspace) in the jaxpr of jax_flash.attention,
+    traced as on a machine without Hopper GPUs: where every GPU is one, a float32 call is traced once per platform
+    (_config.per_platform) and its jaxpr holds each call twice, once per branch."""
+    with unittest.mock.patch.object(_config, "gpus_are_hopper", lambda: False):
+        jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
+    calls = []
 
     def visit(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 3:  # the forward: (o, lse, tf32_vt)
-                shapes.append((tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape)))
+            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 3:  # the forward: (o, lse, workspace)
+                calls.append(eqn)
         for sub in jax.extend.core.subjaxprs(jaxpr):
             visit(sub)
 
     visit(jaxpr.jaxpr)
-    return shapes
+    return calls
+
+
+def forward_call_operand_shapes(q, k, v, **kwargs) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (q, k) operand shapes of every forward custom call of jax_flash.attention (``forward_calls``): what GQA
+    packing and the split-KV forward made of the call."""
+    return [(tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape))
+            for eqn in forward_calls(q, k, v, **kwargs)]
 
 
 def runs_tf32(x) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 import jax_flash
 from jax_flash import _ffi_calls, _mask_blocks, _registration
-from attention_cases import Case, set_path_switch
+from attention_cases import Case, forward_calls, set_path_switch
 
 
 def _inputs(**overrides):
@@ -433,18 +433,8 @@ def test_float32_precision_defaults_to_tf32_and_cpu_is_exact_in_both_modes():
 
 
 def _forward_workspaces(q, k, v, **kwargs) -> list[tuple[int, ...]]:
-    """The shape of the tf32_vt result of every forward custom call in the jaxpr of jax_flash.attention."""
-    shapes = []
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "ffi_call" and len(eqn.outvars) == 3:
-                shapes.append(tuple(eqn.outvars[2].aval.shape))
-        for sub in jax.extend.core.subjaxprs(jaxpr):
-            visit(sub)
-
-    visit(jax.make_jaxpr(lambda *a: jax_flash.attention(*a, **kwargs))(q, k, v).jaxpr)
-    return shapes
+    """The shape of the workspace result (tf32_vt) of every forward custom call of jax_flash.attention."""
+    return [tuple(eqn.outvars[2].aval.shape) for eqn in forward_calls(q, k, v, **kwargs)]
 
 
 def test_which_forward_calls_get_the_tf32_workspace(monkeypatch):

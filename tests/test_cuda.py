@@ -1029,9 +1029,8 @@ def test_sm90_dense_can_be_turned_off(dense, monkeypatch):
 FLOAT32_MODES = ("highest", "tf32")
 EXACT_FLOAT32_RTOL = 1e-5
 
-# The Hopper float32 paths' switches (_ffi_calls; unset, the float16 parts are on on a Hopper GPU, the others off):
-# the split-TF32 forward and backward, the exact mode's backward on float16 parts, the TF32 mode's backward on
-# float16 operands.
+# The Hopper float32 paths' switches (_ffi_calls; unset, all on on a Hopper GPU): the split-TF32 forward and backward,
+# the exact mode's backward on float16 parts, the TF32 mode's backward on float16 operands.
 FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
                          _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
 
@@ -1398,6 +1397,27 @@ def test_float32_modes_differ_and_tf32_is_not_exact():
               for mode in FLOAT32_MODES}
     assert errors["highest"] <= EXACT_FLOAT32_RTOL
     assert errors["tf32"] > 10 * errors["highest"], errors
+
+
+@pytest.mark.parametrize("precision", FLOAT32_MODES)
+def test_float32_defaults_on_a_hopper(precision, monkeypatch):
+    """The switches unset on a Hopper: the call's CUDA branch (_config.per_platform) is all that compiles, with no
+    conditional left on the platform; its backward takes the Hopper path (float16 operands in the TF32 mode, the
+    float16-parts workspace in "highest" at d=128) and meets the mode's bound."""
+    if not _is_hopper():
+        pytest.skip("the float32 paths' defaults are on on compute capability 9.x GPUs only")
+    for variable in FLOAT32_PATH_SWITCHES:
+        monkeypatch.delenv(variable, raising=False)
+    case = Case(batch=1, seqlen_q=200, seqlen_k=260, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.float32, seed=9)
+    q, k, v = _on(GPUS[0], *case.inputs())
+
+    def loss(q_, k_, v_):
+        return jnp.sum(jax_flash.attention(q_, k_, v_, causal=True, float32_precision=precision))
+    gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
+    assert "conditional" not in gradient.compile().as_text()
+    (call,) = [line for line in gradient.as_text().splitlines() if "jax_flash_attention_backward" in line]
+    assert "xf16>" in call, call
+    check_float32_on_gpu(case, precision, causal=True)
 
 
 # float32 with an additive bias, a boolean mask and dropout (issues #8, #10): the same bounds as above, in both
