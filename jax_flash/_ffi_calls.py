@@ -113,7 +113,7 @@ def _uses_split_tf32_workspace(q: jax.Array, masks: MaskOperands, config: ScoreC
     split-TF32 Hopper forward on compute capability 9.x (csrc/common/tf32_workspace.h: each float32 operand as two
     TF32 parts, three TF32 products per product, about float32's accuracy; elsewhere the workspace goes unused):
     float32 with ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32`` on (read when the call is traced;
-    unset: on where every GPU is a Hopper, ``_config.gpus_are_hopper``), head_dim <= 128 and a multiple of 4, no
+    unset: on for CUDA where every GPU is a Hopper, ``_config.per_platform``), head_dim <= 128 and a multiple of 4, no
     dropout; softcap, ALiBi, bias and mask too unless ``JAX_FLASH_TF32_FORMS=0`` (as for the TF32 forward)."""
     return (q.dtype == jnp.float32 and not config.allow_tf32 and hopper_switch_on(SPLIT_TF32_ENV)
             and _fits_hopper_float32_forward(q, masks, config, dense))
@@ -128,7 +128,7 @@ def _uses_split_tf32_backward_workspace(q: jax.Array, masks: MaskOperands, confi
     nothing else), which the CUDA handler takes as the sign to run the Hopper TF32 backward passes in split TF32 on
     compute capability 9.x (csrc/cuda/sm90/split_tf32_backward_launch.h; elsewhere it goes unused): float32 with
     ``float32_precision="highest"``, ``JAX_FLASH_SM90_SPLIT_TF32_BACKWARD`` on (read when the backward is traced;
-    unset: on where every GPU is a Hopper), head_dim <= 128 and a multiple of 4, and the common form those
+    unset: on for CUDA where every GPU is a Hopper), head_dim <= 128 and a multiple of 4, and the common form those
     passes have (no bias, mask, dropout, softcap or ALiBi, a positive scale)."""
     return (q.dtype == jnp.float32 and not config.allow_tf32
             and hopper_switch_on(SPLIT_TF32_BACKWARD_ENV)
@@ -149,11 +149,11 @@ def _uses_float16_parts_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
     """Whether a float32 backward with ``float32_precision="highest"`` runs on float16 hi and lo parts of operands
     scaled by powers of two (``_half_operands``; csrc/cuda/sm90/float16_parts_backward_launch.h: the 16-bit Hopper
     backward with three products per product, about float32's accuracy): ``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16`` on
-    (read when the backward is traced; unset: on where every GPU is a Hopper; it comes before split TF32), head_dim a
-    multiple of 8 from 72 to 128, the common form (no bias, mask, dropout, softcap or ALiBi, a positive scale),
-    non-empty sequences. The call then carries the float16-parts workspace in its ``dq_accum`` slot, which the CUDA
-    handler takes as the sign to run those kernels on compute capability 9.x (elsewhere the exact kernels run the same
-    scaled operands); on the CPU the reference handler does."""
+    (read when the backward is traced; unset: on for CUDA where every GPU is a Hopper; it comes before split TF32),
+    head_dim a multiple of 8 from 72 to 128, the common form (no bias, mask, dropout, softcap or ALiBi, a positive
+    scale), non-empty sequences. The call then carries the float16-parts workspace in its ``dq_accum`` slot, which the
+    CUDA handler takes as the sign to run those kernels on compute capability 9.x (elsewhere the exact kernels run the
+    same scaled operands); on the CPU the reference handler does."""
     head_dim = q.shape[-1]
     return (q.dtype == jnp.float32 and not config.allow_tf32
             and hopper_switch_on(FLOAT16_PARTS_BACKWARD_ENV)
@@ -318,11 +318,11 @@ def _uses_half_operands_backward(q: jax.Array, k: jax.Array, masks: MaskOperands
                                  dense: DenseOperands) -> bool:
     """Whether a float32 backward in the TF32 mode runs on float16 operands scaled by powers of two (``_half_operands``:
     TF32's significant bits at the 16-bit tensor cores' rate, float32 gradients): ``JAX_FLASH_SM90_TF32_BACKWARD_FP16``
-    on (read when the backward is traced; unset: on where every GPU is a Hopper, since elsewhere no kernel takes such a
-    call), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal): head_dim a multiple
-    of 8 up to 256, no bias or dropout, a positive scale, non-empty sequences; softcap, ALiBi and boolean masks up to
-    head_dim 128, within those forms' 32-bit offsets (ALiBi distances below 2^30, mask strides below 2^23).
-    Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the GPU those kernels need compute
+    on (read when the backward is traced; unset: on for CUDA where every GPU is a Hopper, since elsewhere no kernel
+    takes such a call), and what the 16-bit Hopper backward takes (csrc/cuda/dispatch.cu sm90_backward_refusal):
+    head_dim a multiple of 8 up to 256, no bias or dropout, a positive scale, non-empty sequences; softcap, ALiBi and
+    boolean masks up to head_dim 128, within those forms' 32-bit offsets (ALiBi distances below 2^30, mask strides below
+    2^23). Deterministic calls and JAX_FLASH_FUSED_DQ=0 take its separate dQ pass. On the GPU those kernels need compute
     capability 9.x (elsewhere the call fails with the handler's error); on the CPU the reference handler runs the same
     scaled float16 operands."""
     head_dim = q.shape[-1]
