@@ -51,24 +51,24 @@ def hopper_switch_on(variable: str) -> bool:
     if os.environ.get(variable, ""):
         return switch_on(variable)
     default = _hopper_paths_default.get()
-    return gpus_are_hopper() if default is None else default  # only when unset: gpus_are_hopper starts the GPU backend
+    return gpus_are_hopper() if default is None else default
 
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-def per_platform(trace: Callable[[], T]) -> T:
-    """``trace()`` (the custom calls of one float32 call), traced once per platform it may be lowered for, with the
-    Hopper paths' unset switches (``hopper_switch_on``) on for CUDA and off for every other platform: a call that
-    runs on the CPU of a machine with Hopper GPUs stays the CPU reference, exact in float32 (the TF32 mode's float16
-    operands would round its inputs, and the parts workspaces would go unused). ``jax.lax.platform_dependent`` lowers
-    only the branch of the platform that runs it. Where no GPU is a Hopper the defaults are off everywhere: one
-    trace."""
-    if not gpus_are_hopper():
+def per_platform(trace: Callable[[], _T], switches: tuple[str, ...]) -> _T:
+    """``trace()`` (the custom calls of one float32 call) traced twice, once for CUDA with the unset ``switches``
+    (``hopper_switch_on``) on and once for every other platform with them off: a call that runs on the CPU of a
+    machine with Hopper GPUs stays the CPU reference, exact in float32 (the TF32 mode's float16 operands would round
+    its inputs, and the parts workspaces would go unused). ``jax.lax.platform_dependent`` lowers only the branch of
+    the platform that runs it. One trace where no GPU is a Hopper (the defaults are off everywhere; gpus_are_hopper
+    starts the GPU backend once) or where every switch is set (the branches would be the same)."""
+    if not gpus_are_hopper() or all(os.environ.get(variable, "") for variable in switches):
         return trace()
 
-    def with_default(default: bool) -> Callable[[], T]:
-        def branch() -> T:
+    def with_default(default: bool) -> Callable[[], _T]:
+        def branch() -> _T:
             token = _hopper_paths_default.set(default)
             try:
                 return trace()

@@ -216,7 +216,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, confi
 
     def trace() -> tuple[jax.Array, jax.Array]:
         return _forward_calls(q, k, v, masks, config, dense)
-    return per_platform(trace) if q.dtype == jnp.float32 else trace()
+    return per_platform(trace, HOPPER_PATH_SWITCHES) if q.dtype == jnp.float32 else trace()
 
 
 def _forward_calls(q: jax.Array, k: jax.Array, v: jax.Array, masks: MaskOperands, config: ScoreConfig,
@@ -306,6 +306,8 @@ def dkdv_tail_shape(k: jax.Array) -> tuple[int]:
 
 
 HALF_OPERANDS_BACKWARD_ENV = "JAX_FLASH_SM90_TF32_BACKWARD_FP16"
+# The switches whose unset default is on for CUDA where every GPU is a Hopper (hopper_switch_on, per_platform).
+HOPPER_PATH_SWITCHES = (SPLIT_TF32_ENV, SPLIT_TF32_BACKWARD_ENV, FLOAT16_PARTS_BACKWARD_ENV, HALF_OPERANDS_BACKWARD_ENV)
 
 # The 16-bit Hopper backward's head dims (csrc/cuda/generate_instantiations.py SM90_BACKWARD_HEAD_DIMS, all built with
 # float32 gradients): a call runs on the smallest that holds it; softcap, ALiBi and masks only up to 128
@@ -358,7 +360,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Ar
 
     def trace() -> tuple[jax.Array, ...]:
         return _backward_calls(q, k, v, o, lse, d_o, d_lse, masks, config, dense, want_dbias)
-    return per_platform(trace) if q.dtype == jnp.float32 else trace()
+    return per_platform(trace, HOPPER_PATH_SWITCHES) if q.dtype == jnp.float32 else trace()
 
 
 def _backward_calls(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array, d_o: jax.Array,

@@ -1,5 +1,5 @@
 """The TF32-class backward of float32 calls on float16 operands (``JAX_FLASH_SM90_TF32_BACKWARD_FP16``, on by default
-where every GPU is a Hopper), and the scaling that the exact mode's backward on float16 parts shares
+in calls lowered for CUDA where every GPU is a Hopper), and the scaling that the exact mode's backward on float16 parts shares
 (``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16``, the same default; ``FLOAT16_PARTS``, whose probability and dO scales are
 larger: see ``Scheme``). What follows describes the TF32 mode's (``FLOAT16_OPERANDS``).
 

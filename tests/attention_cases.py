@@ -80,8 +80,8 @@ def feature_kwargs(feature: str, case: Case) -> dict[str, Any]:
 
 def forward_calls(q, k, v, **kwargs) -> list[Any]:
     """The forward custom calls (ffi_call equations: results o, lse, workspace) in the jaxpr of jax_flash.attention,
-    traced as on a machine without Hopper GPUs: where every GPU is one, a float32 call is traced once per platform
-    (_config.per_platform) and its jaxpr holds each call twice, once per branch."""
+    traced as on a machine without Hopper GPUs (whatever a test patched): where every GPU is one, a float32 call is
+    traced once per platform (_config.per_platform) and its jaxpr holds each call twice, once per branch."""
     with unittest.mock.patch.object(_config, "gpus_are_hopper", lambda: False):
         jaxpr = jax.make_jaxpr(lambda q_, k_, v_: jax_flash.attention(q_, k_, v_, **kwargs))(q, k, v)
     calls = []
