@@ -1,7 +1,7 @@
 """The TF32-class backward of float32 calls on float16 operands (``JAX_FLASH_SM90_TF32_BACKWARD_FP16``, on by default
-in calls lowered for CUDA where every GPU is a Hopper), and the scaling that the exact mode's backward on float16 parts shares
-(``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16``, the same default; ``FLOAT16_PARTS``, whose probability and dO scales are
-larger: see ``Scheme``). What follows describes the TF32 mode's (``FLOAT16_OPERANDS``).
+in calls lowered for CUDA where every GPU is a Hopper), and the scaling that the exact mode's backward on float16
+parts shares (``JAX_FLASH_SM90_HIGHEST_BACKWARD_FP16``, the same default; ``FLOAT16_PARTS``, whose probability and dO
+scales are larger: see ``Scheme``). What follows describes the TF32 mode's (``FLOAT16_OPERANDS``).
 
 Why float16: it keeps TF32's 11 significant bits, its tensor-core products run at twice TF32's rate, and the 16-bit
 Hopper backward reads its operands as they lie (TF32 WGMMAs take shared operands only K-major, which costs the TF32

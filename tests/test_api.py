@@ -275,10 +275,6 @@ def test_split_tf32_switch_decides_the_workspace(monkeypatch, setting, expected)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(call(q, k, v)))
 
 
-FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
-                         _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
-
-
 @pytest.mark.parametrize("precision", ["tf32", "highest"])
 @pytest.mark.parametrize("head_dim", [72, 128])
 def test_cpu_calls_on_a_hopper_machine_stay_exact(monkeypatch, precision, head_dim):
@@ -298,10 +294,10 @@ def test_cpu_calls_on_a_hopper_machine_stay_exact(monkeypatch, precision, head_d
         grads, o = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return [np.asarray(x) for x in (o, *grads)]
 
-    for variable in FLOAT32_PATH_SWITCHES:
+    for variable in _ffi_calls.HOPPER_PATH_SWITCHES:
         set_path_switch(monkeypatch, variable, "hopper-cpu")
     on_hopper = results()
-    for variable in FLOAT32_PATH_SWITCHES:
+    for variable in _ffi_calls.HOPPER_PATH_SWITCHES:
         set_path_switch(monkeypatch, variable, "")
     for got, want in zip(on_hopper, results()):
         np.testing.assert_array_equal(got, want)

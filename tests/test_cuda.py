@@ -1031,8 +1031,7 @@ EXACT_FLOAT32_RTOL = 1e-5
 
 # The Hopper float32 paths' switches (_ffi_calls; unset, all on on a Hopper GPU): the split-TF32 forward and backward,
 # the exact mode's backward on float16 parts, the TF32 mode's backward on float16 operands.
-FLOAT32_PATH_SWITCHES = (_ffi_calls.SPLIT_TF32_ENV, _ffi_calls.SPLIT_TF32_BACKWARD_ENV,
-                         _ffi_calls.FLOAT16_PARTS_BACKWARD_ENV, _ffi_calls.HALF_OPERANDS_BACKWARD_ENV)
+FLOAT32_PATH_SWITCHES = _ffi_calls.HOPPER_PATH_SWITCHES
 
 
 def only_float32_paths(monkeypatch, *on: str):
