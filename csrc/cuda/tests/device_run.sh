@@ -42,7 +42,8 @@
 #   decode*      benchmarks/bench_decode.py ${NAME}_ARGS under environment ${NAME}_ENV (as bench*)
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
-#   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX)
+#   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX): its runs $F32_CASES
+#                (default: all), F32_EACH=1 one sanitizer process per run (f32_sanitize)
 #   f32_racecheck racecheck over the same
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
 # TOTAL_LIMIT (seconds, optional) caps the whole script: later stages shrink or are skipped so that the results
@@ -123,6 +124,26 @@ sanitize() {
       echo "== $tool $grid"
       sanitized "sanitize_${tool}${grid// /_}" "$tool" $grid || rc=1
     done
+  done
+  return $rc
+}
+
+# f32_sanitize TOOL: compute-sanitizer --tool TOOL over float32_memcheck.py's runs $F32_CASES (default: all), in one
+# process, or with F32_EACH=1 one sanitizer process per run (a crash then names its run and the others still go). The
+# target runs with Python's faulthandler: a SIGSEGV in it prints where the Python side was.
+f32_sanitize() {
+  local tool=$1 script="$repo/csrc/cuda/tests/float32_memcheck.py" index rc=0
+  export XLA_FLAGS=--xla_gpu_enable_command_buffer=
+  cd /tmp || return 1  # not the repository: its jax_flash/ would shadow the installed package
+  local sanitizer=(compute-sanitizer --tool "$tool" --error-exitcode 3 python3 -X faulthandler "$script")
+  if [ "${F32_EACH:-0}" != 1 ]; then
+    "${sanitizer[@]}" ${F32_CASES:-}; return
+  fi
+  for index in ${F32_CASES:-$(seq 0 $(($(python3 "$script" --count) - 1)))}; do
+    "${sanitizer[@]}" "$index" 2>&1 | grep -v "^========= COMPUTE-SANITIZER"
+    local status=${PIPESTATUS[0]}
+    echo "run $index: sanitizer exit $status"
+    [ "$status" = 0 ] || rc=1
   done
   return $rc
 }
@@ -339,8 +360,7 @@ run_stage() {
     cmd*) local cmd_var=${1^^}_CMD  # cmd, cmd_ka, ...: the shell command ${NAME}_CMD ($check names the standalone check)
       stage "$1" 300 env check="$check" bash -c "${!cmd_var}" ;;
     train) stage train 120 python3 benchmarks/bench_training_step.py --out-dir "$out" ${TRAIN_ARGS:-} ;;
-    f32_memcheck|f32_racecheck) (cd /tmp && XLA_FLAGS=--xla_gpu_enable_command_buffer= stage $1 200 \
-                    compute-sanitizer --tool ${1#f32_} --error-exitcode 3 python3 "$repo/csrc/cuda/tests/float32_memcheck.py") ;;
+    f32_memcheck|f32_racecheck) stage $1 200 f32_sanitize ${1#f32_} ;;
     *) echo "unknown stage $1" | tee -a "$out/summary.log" ;;
   esac
 }

@@ -8,8 +8,12 @@ split-TF32 kernel, their backwards the float16-parts passes at head dims 72..128
 8) run on scaled float16 operands (the 16-bit Hopper backward's float32-gradient forms). Set
 JAX_FLASH_SM90_SPLIT_TF32, _SPLIT_TF32_BACKWARD, _HIGHEST_BACKWARD_FP16 and _TF32_BACKWARD_FP16 to 0 for the exact
 SIMT and TF32 kernels instead.
-Prints one line per case; finite outputs are checked so that a silent failure still shows."""
+Prints one line per case; finite outputs are checked so that a silent failure still shows. Arguments, if any, are
+the indices of the runs to make (0 .. 2 * len(CASES) - 1, in the order below; `--count` prints how many there are):
+device_run.sh's F32_CASES, and its F32_EACH=1 runs each index under its own sanitizer process, so that a crash in one
+(s41: the sanitizer's own process ended on SIGSEGV mid-grid) names its case and spares the rest."""
 import itertools
+import sys
 
 import jax.numpy as jnp
 
@@ -30,6 +34,14 @@ CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs
     (2, 70, 90, 4, 2, 104, {"causal": True}),  # the float16-parts passes' zero-padded head dim, GQA, partial tiles
 ]
 
-for (b, sq, sk, hq, hkv, d, kwargs), mode in itertools.product(CASES, ("highest", "tf32")):
-    run_case(mode, b, sq, sk, hq, hkv, d, jnp.float32, float32_precision=mode, **kwargs)
-print("float32 memcheck grid done")
+RUNS = list(itertools.product(CASES, ("highest", "tf32")))
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--count"]:
+        print(len(RUNS))
+        sys.exit(0)
+    for index in [int(arg) for arg in sys.argv[1:]] or range(len(RUNS)):
+        (b, sq, sk, hq, hkv, d, kwargs), mode = RUNS[index]
+        print(f"run {index}:", end=" ", flush=True)  # before the run: a crash inside it still names it
+        run_case(mode, b, sq, sk, hq, hkv, d, jnp.float32, float32_precision=mode, **kwargs)
+    print("float32 memcheck grid done")
