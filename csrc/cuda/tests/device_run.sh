@@ -130,10 +130,12 @@ sanitize() {
 
 # f32_sanitize TOOL: compute-sanitizer --tool TOOL over float32_memcheck.py's runs $F32_CASES (default: all), in one
 # process, or with F32_EACH=1 one sanitizer process per run (a crash then names its run and the others still go). The
-# target runs with Python's faulthandler: a SIGSEGV in it prints where the Python side was.
+# target runs with Python's faulthandler: a SIGSEGV in it prints where the Python side was. XLA allocates each buffer
+# on its own (the platform allocator, unless XLA_PYTHON_CLIENT_ALLOCATOR says otherwise), so that memcheck bounds every
+# buffer: inside XLA's default pool a store past one buffer lands in another unreported.
 f32_sanitize() {
   local tool=$1 script="$repo/csrc/cuda/tests/float32_memcheck.py" index rc=0
-  export XLA_FLAGS=--xla_gpu_enable_command_buffer=
+  export XLA_FLAGS=--xla_gpu_enable_command_buffer= XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
   cd /tmp || return 1  # not the repository: its jax_flash/ would shadow the installed package
   local sanitizer=(compute-sanitizer --tool "$tool" --error-exitcode 3 python3 -X faulthandler "$script")
   if [ "${F32_EACH:-0}" != 1 ]; then
