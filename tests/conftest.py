@@ -36,9 +36,16 @@ def _cpu_by_default(request):
 def pytest_runtest_logreport(report):
     """With JAX_FLASH_FAILURE_LOG set (csrc/cuda/tests/device_run.sh), each failure's traceback is appended to that
     file as it happens: a run cut off by its time limit never prints its failure summary, and without the tracebacks
-    a failure says nothing of its size. Written by the controlling process only (xdist workers forward reports)."""
+    a failure says nothing of its size. With JAX_FLASH_DURATION_LOG set, each test's duration is appended to that file
+    as it ends. Written by the controlling process only (xdist workers forward reports)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    durations = os.environ.get("JAX_FLASH_DURATION_LOG")  # one line per test as it ends: where a device call's time goes
+    if durations and report.when == "call":
+        with open(durations, "a", encoding="utf-8") as log:
+            log.write(f"{report.duration:8.1f} s  {report.outcome:7}  {report.nodeid}\n")
     path = os.environ.get("JAX_FLASH_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed:
         return
     with open(path, "a", encoding="utf-8") as log:
         log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -19,7 +19,8 @@
 #                both ways (bench_cuda's padding-mask row times that forward both ways)
 #   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
 #                (verbose: each result is listed as it happens, so a timed-out run still names its failures; their
-#                tracebacks go to pytest_failures.log as they happen, tests/conftest.py)
+#                tracebacks go to pytest_failures.log as they happen, each test's duration to pytest_durations.log,
+#                tests/conftest.py)
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
 #                bench_f32: $BENCH_F32_ARGS, ...; pass --tag to keep their result files apart)        bench_cuda   standalone --bench, sm80 and sm90 bwd
@@ -340,7 +341,7 @@ run_stage() {
     pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu JAX_FLASH_FAILURE_LOG="$out/pytest_files_failures.log" \
                    stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
                     $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
-    pytest) (cd /tmp && JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" \
+    pytest) (cd /tmp && JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" JAX_FLASH_DURATION_LOG="$out/pytest_durations.log" \
               stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
               "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
