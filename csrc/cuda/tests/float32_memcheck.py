@@ -11,7 +11,7 @@ SIMT and TF32 kernels instead.
 Prints one line per case; finite outputs are checked so that a silent failure still shows. Arguments, if any, are
 the indices of the runs to make (0 .. 2 * len(CASES) - 1, in the order below; `--count` prints how many there are):
 device_run.sh's F32_CASES, and its F32_EACH=1 runs each index under its own sanitizer process, so that a crash in one
-(s41: the sanitizer's own process ended on SIGSEGV mid-grid) names its case and spares the rest."""
+(s41: the sanitized process ended on SIGSEGV mid-grid) names its case and spares the rest."""
 import itertools
 import sys
 
