@@ -1029,15 +1029,13 @@ def test_sm90_dense_can_be_turned_off(dense, monkeypatch):
 FLOAT32_MODES = ("highest", "tf32")
 EXACT_FLOAT32_RTOL = 1e-5
 
-# The Hopper float32 paths' switches (_ffi_calls; unset, all on on a Hopper GPU): the split-TF32 forward and backward,
-# the exact mode's backward on float16 parts, the TF32 mode's backward on float16 operands.
-FLOAT32_PATH_SWITCHES = _ffi_calls.HOPPER_PATH_SWITCHES
-
 
 def only_float32_paths(monkeypatch, *on: str):
-    """Turns on the named switches of FLOAT32_PATH_SWITCHES and off the others: a test of one path runs that path
-    (or the SIMT / TF32 kernels, with none named) whatever the defaults."""
-    for variable in FLOAT32_PATH_SWITCHES:
+    """Turns on the named switches of the Hopper float32 paths (_ffi_calls.HOPPER_PATH_SWITCHES: the split-TF32 forward
+    and backward, the exact mode's backward on float16 parts, the TF32 mode's backward on float16 operands; unset, all
+    on on a Hopper GPU) and off the others: a test of one path runs that path (or the SIMT / TF32 kernels, with none
+    named) whatever the defaults."""
+    for variable in _ffi_calls.HOPPER_PATH_SWITCHES:
         monkeypatch.setenv(variable, "1" if variable in on else "0")
 
 
@@ -1409,7 +1407,7 @@ def test_float32_defaults_on_a_hopper(precision, monkeypatch):
     float16-parts workspace in "highest" at d=128) and meets the mode's bound."""
     if not _is_hopper():
         pytest.skip("the float32 paths' defaults are on on compute capability 9.x GPUs only")
-    for variable in FLOAT32_PATH_SWITCHES:
+    for variable in _ffi_calls.HOPPER_PATH_SWITCHES:
         monkeypatch.delenv(variable, raising=False)
     case = Case(batch=1, seqlen_q=200, seqlen_k=260, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.float32, seed=9)
     q, k, v = _on(GPUS[0], *case.inputs())
