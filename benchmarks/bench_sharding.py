@@ -1,21 +1,22 @@
-"""One device vs several: forward + backward step time of jax_flash attention with the batch sharded, and with the
-sequence sharded (ring attention), at a long sequence (32k tokens by default).
+"""Scaling of jax_flash attention over devices: the forward + backward step time of one call with its batch, its
+heads or its sequence sharded, at each device count of ``--device-counts``, against one device.
 
-Cases, each timed on 1 device and on all ``--devices`` (default: every visible device):
-- ``batch``: ``--devices`` sequences of ``--seq-len`` tokens; 1 device runs them all, N devices one each
-  (jit + NamedSharding over the batch: custom partitioning, no communication).
-- ``ring-jit``: one sequence of ``--seq-len`` tokens, sequence sharded with NamedSharding under jit (custom
-  partitioning: ring attention; a causal mask moves the contiguous shards into the zigzag layout and back inside
-  every call).
+Cases (``--cases``; at every count N the call is the same, so the times compare directly: strong scaling):
+- ``batch``: ``--batch`` sequences of ``--seq-len`` tokens (default: as many as the largest count), the batch
+  sharded (jit + NamedSharding: custom partitioning, no communication).
+- ``heads``: one sequence, the query and KV heads sharded (the same; N must divide ``--kv-heads``).
+- ``ring-jit``: one sequence, its tokens sharded under jit (custom partitioning: ring attention; a causal mask moves
+  the contiguous shards into the zigzag layout and back inside every call).
 - ``ring-zigzag``: the same through ``jax_flash.ring_attention`` in ``shard_map`` on inputs already in the zigzag
   layout (what a model that keeps its tokens in zigzag order pays).
 
-Ideal scaling: ``batch`` N devices take as long as 1 device with 1/N of the batch, i.e. N x faster than 1 device
-with the whole batch; ring attention splits one sequence's work N ways, minus communication.
+Each row: the median step time, TFLOP/s (forward + backward = 3.5 x the forward's 4·b·h·s²·d, halved when causal),
+the speedup over one device and the scaling efficiency (speedup / N; and against two devices, 2·t₂ / (N·t_N)), and
+the largest difference of the gradients from the one-device run's (absolute, and relative to their largest value).
 
-Run on the two-GPU machine:  python benchmarks/bench_sharding.py
-CPU smoke test:             python benchmarks/bench_sharding.py --cpu-devices 2 --seq-len 1024 --heads 2 --iters 2
-Writes benchmarks/results/sharding_<date>.json.
+Run on a machine with several GPUs:  python benchmarks/bench_sharding.py --device-counts 1 2 4 8
+CPU smoke test:  python benchmarks/bench_sharding.py --cpu-devices 4 --seq-len 512 --heads 4 --head-dim 32 --iters 2
+Writes benchmarks/results/sharding_<device>_<date>[_<tag>].json (``--out-dir`` to change).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +39,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 
-RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # bench_attention: the shared results header
+from bench_attention import versions  # noqa: E402
+
+RESULTS_DIR = os.path.join(_HERE, "results")
+CASES = ("batch", "heads", "ring-jit", "ring-zigzag")
 
 
 def _inputs(batch: int, args: argparse.Namespace) -> tuple[jax.Array, ...]:
@@ -48,7 +56,7 @@ def _inputs(batch: int, args: argparse.Namespace) -> tuple[jax.Array, ...]:
                  for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape)))
 
 
-def _step(attend):
+def _step(attend: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
     """Jitted forward + backward: gradients of ``sum(attend(q, k, v) * d_o)``."""
     loss = lambda q, k, v, d_o: jnp.sum((attend(q, k, v) * d_o).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -69,76 +77,125 @@ def _place(arrays: tuple[jax.Array, ...], mesh: Mesh, spec: P) -> tuple[jax.Arra
     return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays)
 
 
-def _max_difference(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> float:
-    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))) for x, y in zip(a, b))
+def _host(arrays: tuple[jax.Array, ...]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(x, np.float32) for x in arrays)
+
+
+def _differences(got: tuple[np.ndarray, ...], expected: tuple[np.ndarray, ...]) -> tuple[float, float]:
+    """Largest |got - expected| over the gradients, absolute and relative to the largest |expected|."""
+    absolute = max(float(np.max(np.abs(x - y))) for x, y in zip(got, expected))
+    scale = max(float(np.max(np.abs(y))) for y in expected)
+    return absolute, absolute / scale if scale > 0 else absolute
+
+
+def _case_call(case: str, mesh: Mesh, inputs: tuple[jax.Array, ...], causal: bool):
+    """(the jitted step, its inputs placed on ``mesh``, a map of its gradients back to the unsharded layout)."""
+    n = mesh.size
+    attend = functools.partial(jax_flash.attention, causal=causal)
+    if case == "batch":
+        return _step(attend), _place(inputs, mesh, P("x")), lambda grads: grads
+    if case == "heads":
+        return _step(attend), _place(inputs, mesh, P(None, None, "x")), lambda grads: grads
+    if case == "ring-jit":
+        return _step(attend), _place(inputs, mesh, P(None, "x")), lambda grads: grads
+    if case == "ring-zigzag":
+        ring = functools.partial(jax_flash.ring_attention, axis_name="x", layout="zigzag", causal=causal)
+        sharded = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"))
+        zigzag = tuple(jax_flash.to_zigzag(x, n) for x in inputs)
+        return (_step(sharded), _place(zigzag, mesh, P(None, "x")),
+                lambda grads: tuple(jax_flash.from_zigzag(g, n) for g in grads))
+    raise ValueError(f"case must be one of {CASES}, got {case!r}")
+
+
+def step_flops(batch: int, args: argparse.Namespace) -> float:
+    forward = 4.0 * batch * args.heads * args.seq_len ** 2 * args.head_dim / (2 if args.causal else 1)
+    return 3.5 * forward
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    devices = jax.devices()[:args.devices or None]
-    n = len(devices)
-    one = Mesh(np.asarray(devices[:1]), ("x",))
-    many = Mesh(np.asarray(devices), ("x",))
-    attend = functools.partial(jax_flash.attention, causal=args.causal)
+    devices = jax.devices()
+    counts = sorted(set(args.device_counts))
+    if counts[0] != 1 or counts[-1] > len(devices):
+        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
+    batch = args.batch or counts[-1]
+    divisors = {"batch": ("--batch", batch), "heads": ("--kv-heads", args.kv_heads),
+                "ring-jit": ("--seq-len / 2", args.seq_len // 2), "ring-zigzag": ("--seq-len / 2", args.seq_len // 2)}
+    for case in args.cases:
+        name, value = divisors[case]
+        if any(value % n for n in counts):
+            raise SystemExit(f"case {case}: every device count must divide {name} = {value}")
     rows = []
-
-    def record(case: str, devices_used: int, seconds: float, tokens: int, difference: float | None) -> None:
-        rows.append({"case": case, "devices": devices_used, "step_ms": 1e3 * seconds, "tokens": tokens,
-                     "max_abs_difference_vs_1_device": difference})
-        print(f"{case:>12} | {devices_used:>7} | {1e3 * seconds:>10.2f} | {tokens:>8}"
-              + ("" if difference is None else f" | {difference:.2e}"), flush=True)
-
-    print(f"{'case':>12} | {'devices':>7} | {'step ms':>10} | {'tokens':>8} | max |diff| vs 1 device")
-    # Batch sharding: n sequences.
-    inputs = _inputs(n, args)
-    step = _step(attend)
-    base, expected = _time(step, _place(inputs, one, P()), args.iters)
-    record("batch", 1, base, n * args.seq_len, None)
-    seconds, got = _time(step, _place(inputs, many, P("x")), args.iters)
-    record("batch", n, seconds, n * args.seq_len, _max_difference(got, expected))
-
-    # Sequence sharding: one sequence.
-    inputs = _inputs(1, args)
-    base, expected = _time(step, _place(inputs, one, P()), args.iters)
-    record("sequence", 1, base, args.seq_len, None)
-    seconds, got = _time(step, _place(inputs, many, P(None, "x")), args.iters)
-    record("ring-jit", n, seconds, args.seq_len, _max_difference(got, expected))
-
-    ring = functools.partial(jax_flash.ring_attention, axis_name="x", layout="zigzag", causal=args.causal)
-    sharded = jax.shard_map(ring, mesh=many, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"))
-    zigzag_step = _step(sharded)
-    zigzag = tuple(jax_flash.to_zigzag(x, n) for x in inputs)
-    seconds, got = _time(zigzag_step, _place(zigzag, many, P(None, "x")), args.iters)
-    record("ring-zigzag", n, seconds, args.seq_len,
-           _max_difference(tuple(jax_flash.from_zigzag(g, n) for g in got), expected))
+    print(f"{'case':>12} | {'devices':>7} | {'step ms':>10} | {'TFLOP/s':>8} | {'speedup':>7} | {'eff/1':>5} | "
+          f"{'eff/2':>5} | max |diff| vs 1 device (relative)")
+    for case in args.cases:
+        inputs = _inputs(batch if case == "batch" else 1, args)
+        flops = step_flops(inputs[0].shape[0], args)
+        times: dict[int, float] = {}
+        expected = None
+        for n in counts:
+            mesh = Mesh(np.asarray(devices[:n]), ("x",))
+            step, placed, unshard = _case_call(case, mesh, inputs, args.causal)
+            seconds, grads = _time(step, placed, args.iters)
+            times[n] = seconds
+            got = _host(unshard(grads))
+            del grads, placed
+            absolute, relative = (None, None) if expected is None else _differences(got, expected)
+            if expected is None:
+                expected = got
+            row = {"case": case, "devices": n, "step_ms": 1e3 * seconds, "tokens": inputs[0].shape[0] * args.seq_len,
+                   "tflops": flops / seconds / 1e12, "speedup_vs_1": times[1] / seconds,
+                   "efficiency_vs_1": times[1] / (n * seconds),
+                   "efficiency_vs_2": 2 * times[2] / (n * seconds) if 2 in times and n >= 2 else None,
+                   "max_abs_difference_vs_1_device": absolute, "max_rel_difference_vs_1_device": relative}
+            rows.append(row)
+            eff2 = "" if row["efficiency_vs_2"] is None else f"{row['efficiency_vs_2']:.2f}"
+            diff = "" if absolute is None else f"{absolute:.2e} ({relative:.1e})"
+            print(f"{case:>12} | {n:>7} | {row['step_ms']:>10.2f} | {row['tflops']:>8.1f} | "
+                  f"{row['speedup_vs_1']:>7.2f} | {row['efficiency_vs_1']:>5.2f} | {eff2:>5} | {diff}", flush=True)
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=0, help="devices to shard over (default: all)")
+    parser.add_argument("--device-counts", type=int, nargs="+", default=None,
+                        help="device counts to time (default: 1, 2, 4, ... up to every visible device)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--cpu-devices", type=int, default=0, help="fake this many CPU devices (smoke test)")
     parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=0, help="sequences of the batch case (default: the largest count)")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=0, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--tag", default="", help="suffix of the results file's name")
+    parser.add_argument("--out-dir", default=RESULTS_DIR)
+    args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.cpu_devices:
         # Read when jax creates its CPU backend, which has not happened yet.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
-    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, seq_len {args.seq_len}, "
-          f"heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.dtype}, causal {args.causal}")
+    if args.device_counts is None:
+        args.device_counts = [1 << i for i in range(jax.device_count().bit_length())] + [jax.device_count()]
+    device = jax.devices()[0].device_kind
+    print(f"{jax.device_count()} x {device}, jax {jax.__version__}, seq_len {args.seq_len}, heads "
+          f"{args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.dtype}, causal {args.causal}")
     rows = run(args)
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"sharding_{datetime.date.today().isoformat()}.json")
+    os.makedirs(args.out_dir, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    path = os.path.join(args.out_dir, f"sharding_{device.replace(' ', '_')}_{date}"
+                        + (f"_{args.tag}" if args.tag else "") + ".json")
     with open(path, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": vars(args),
-                   "rows": rows}, f, indent=1)
+        json.dump({"device": device, "device_count": jax.device_count(), "date": date, "versions": versions(),
+                   "config": vars(args), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
 
 

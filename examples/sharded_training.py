@@ -96,8 +96,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
     return train_step
 
 
-def train(mesh: Mesh, config: ModelConfig, args: argparse.Namespace) -> list[float]:
-    """Trains from seed ``args.seed``; prints the step times; returns the losses."""
+def train(mesh: Mesh, config: ModelConfig, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Trains from seed ``args.seed``; prints the step times; returns the losses and the seconds of each step (the
+    first includes compilation)."""
     attention_fn = (zigzag_ring_attention_fn(mesh) if args.attention == "ring"
                     else flax_layers.dot_product_attention)
     graphdef, params = nnx.split(DecoderLM(config, attention_fn, nnx.Rngs(args.seed)))
@@ -118,10 +119,10 @@ def train(mesh: Mesh, config: ModelConfig, args: argparse.Namespace) -> list[flo
             print(f"  [{args.attention}] step {step:4d}  loss {losses[-1]:.4f}  {1e3 * seconds[-1]:8.1f} ms")
     print(f"  [{args.attention}] compile + first step {seconds[0]:.1f} s, median step "
           f"{1e3 * statistics.median(seconds[1:]):.1f} ms")
-    return losses
+    return losses, seconds
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", choices=["partitioned", "ring", "both"], default="both")
     parser.add_argument("--cpu-devices", type=int, default=0,
@@ -140,14 +141,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="compute dtype; default bfloat16 on GPU (the CUDA kernels' types), float32 elsewhere")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step compiles and is timed apart)")
     return args
 
 
-def make_mesh(args: argparse.Namespace) -> Mesh:
-    devices = jax.devices()
+def make_mesh(args: argparse.Namespace, devices: list[jax.Device] | None = None) -> Mesh:
+    """A ``(data, seq)`` mesh of ``devices`` (default: every visible one), ``args.seq_shards`` along the sequence."""
+    devices = devices or jax.devices()
     seq_shards = args.seq_shards or (len(devices) if len(devices) <= 2 else len(devices) // 2)
     if len(devices) % seq_shards or args.batch_size % (len(devices) // seq_shards):
         raise SystemExit(f"{len(devices)} devices: --seq-shards {seq_shards} must divide them, and the rest "
@@ -155,6 +157,15 @@ def make_mesh(args: argparse.Namespace) -> Mesh:
     if args.seq_len % (2 * seq_shards):
         raise SystemExit(f"--seq-len must be a multiple of 2 x --seq-shards = {2 * seq_shards} (zigzag layout)")
     return Mesh(np.asarray(devices).reshape(len(devices) // seq_shards, seq_shards), ("data", "seq"))
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The model of ``args``; its compute dtype (``args.dtype``, filled in if unset) bfloat16 on GPU, float32
+    elsewhere."""
+    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    return ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
+                       num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                       dtype=jnp.dtype(args.dtype))
 
 
 def main() -> None:
@@ -165,13 +176,10 @@ def main() -> None:
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
     mesh = make_mesh(args)
-    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    config = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                         num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                         dtype=jnp.dtype(args.dtype))
+    config = model_config(args)
     print(f"{len(mesh.devices.flat)} x {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, {config}")
     modes = ["partitioned", "ring"] if args.attention == "both" else [args.attention]
-    losses = {mode: train(mesh, config, argparse.Namespace(**{**vars(args), "attention": mode})) for mode in modes}
+    losses = {mode: train(mesh, config, argparse.Namespace(**{**vars(args), "attention": mode}))[0] for mode in modes}
     if len(modes) == 2:
         first = abs(losses["partitioned"][0] - losses["ring"][0])
         print(f"first-step loss, partitioned vs ring: {losses['partitioned'][0]:.6f} vs {losses['ring'][0]:.6f} "

@@ -44,7 +44,9 @@
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX): its runs $F32_CASES
-#                (default: all), F32_EACH=1 one sanitizer process per run (f32_sanitize)
+#                (default: all; an index may repeat), F32_EACH=1 one sanitizer process per run, F32_SANITIZER_FLAGS
+#                more compute-sanitizer options (e.g. --force-blocking-launches), F32_BACKTRACE=1 the sanitizer
+#                under cuda-gdb, which prints its stack if it crashes (f32_sanitize)
 #   f32_racecheck racecheck over the same
 # Limits: $<STAGE>_LIMIT seconds (e.g. PYTEST_LIMIT=300). A timed-out stage costs its limit, not the call.
 # TOTAL_LIMIT (seconds, optional) caps the whole script: later stages shrink or are skipped so that the results
@@ -134,11 +136,20 @@ sanitize() {
 # target runs with Python's faulthandler: a SIGSEGV in it prints where the Python side was. XLA allocates each buffer
 # on its own (the platform allocator, unless XLA_PYTHON_CLIENT_ALLOCATOR says otherwise), so that memcheck bounds every
 # buffer: inside XLA's default pool a store past one buffer lands in another unreported.
+# F32_BACKTRACE=1: s41's crashes were of the process bash started (its "Segmentation fault" line names the
+# compute-sanitizer command), with no summary printed; under cuda-gdb (the image has no gdb) a crash of the sanitizer
+# itself prints its native stack, while one of the target still shows as the sanitizer's report and faulthandler's.
+# The exit status printed is then cuda-gdb's: read the log.
 f32_sanitize() {
-  local tool=$1 script="$repo/csrc/cuda/tests/float32_memcheck.py" index rc=0
+  local tool=$1 script="$repo/csrc/cuda/tests/float32_memcheck.py" index rc=0 launcher=()
   export XLA_FLAGS=--xla_gpu_enable_command_buffer= XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
   cd /tmp || return 1  # not the repository: its jax_flash/ would shadow the installed package
-  local sanitizer=(compute-sanitizer --tool "$tool" --error-exitcode 3 python3 -X faulthandler "$script")
+  if [ "${F32_BACKTRACE:-0}" = 1 ]; then
+    launcher=(cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt -ex "info threads" --args)
+  fi
+  # shellcheck disable=SC2206  # F32_SANITIZER_FLAGS: options split on spaces
+  local sanitizer=("${launcher[@]}" compute-sanitizer --tool "$tool" ${F32_SANITIZER_FLAGS:-} --error-exitcode 3
+                   python3 -X faulthandler "$script")
   if [ "${F32_EACH:-0}" != 1 ]; then
     "${sanitizer[@]}" ${F32_CASES:-}; return
   fi

@@ -1,0 +1,126 @@
+"""The sharded training example (``examples/sharded_training.py``) at several device counts: its step time, the
+scaling efficiency against one and two devices, and its losses against the one-device run's.
+
+At every count of ``--device-counts`` the model, its initialisation and its batches are the same (the global batch
+and sequence do not change: strong scaling); only the mesh grows. ``--all-on-sequence`` puts every device on the
+sequence axis (one ring of N devices: what a single long sequence needs), otherwise the example's own layout
+(``--seq-shards``, default: all of two or fewer devices, else half of them, the rest on the batch). Both attention
+modes of the example (``--attention``: the jit-partitioned ring, the zigzag ring in shard_map) run at each count.
+
+Each row: the median step time (the first step, with compilation, apart), tokens/s, the speedup over one device,
+the scaling efficiency (speedup / N; and 2·t₂ / (N·t_N) against two devices), and the losses' differences from the
+one-device run of the same mode: the first step's, relative (same parameters, same batch: only the reduction order
+differs, so it must agree within the dtype's tolerance; the script exits 1 where it does not), and the largest over
+all steps (training amplifies roundings, so this one is reported, not judged).
+
+Arguments not listed below go to the example (model size, ``--seq-len``, ``--batch-size``, ``--steps``, ``--dtype``,
+``--cpu-devices``...). On a machine with 8 GPUs, 128k tokens on one ring:
+    python benchmarks/bench_sharded_training.py --device-counts 1 2 4 8 --all-on-sequence --attention both \\
+        --seq-len 131072 --batch-size 1 --d-model 1024 --num-heads 8 --num-kv-heads 8 --num-layers 4 --steps 10
+CPU smoke run: python benchmarks/bench_sharded_training.py --cpu-devices 4 --device-counts 1 2 4 --steps 3
+Writes benchmarks/results/sharded_training_<device>_<date>[_<tag>].json (``--out-dir`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "examples"))  # the example and its model
+sys.path.insert(0, _HERE)
+
+import jax  # noqa: E402
+
+import sharded_training  # noqa: E402
+from bench_attention import versions  # noqa: E402
+from bench_training_step import TOLERANCE  # noqa: E402
+
+RESULTS_DIR = os.path.join(_HERE, "results")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(this driver's arguments, the example's)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device-counts", type=int, nargs="+", default=None,
+                        help="device counts to train on (default: 1, 2, 4, ... up to every visible device)")
+    parser.add_argument("--all-on-sequence", action="store_true",
+                        help="every device on the sequence axis (default: the example's --seq-shards rule)")
+    parser.add_argument("--tag", default="", help="suffix of the results file's name")
+    parser.add_argument("--out-dir", default=RESULTS_DIR)
+    args, rest = parser.parse_known_args(argv)
+    return args, sharded_training.parse_args(rest)
+
+
+def scaling_rows(runs: dict[tuple[str, int], tuple[list[float], list[float]]], batch_tokens: int,
+                 tolerance: float) -> list[dict]:
+    """One row per (mode, device count) from the runs' (losses, step seconds); each mode needs its 1-device run."""
+    rows = []
+    for (mode, n), (losses, seconds) in sorted(runs.items()):
+        step = statistics.median(seconds[1:])
+        base_losses, base_seconds = runs[(mode, 1)]
+        base_step = statistics.median(base_seconds[1:])
+        two = runs.get((mode, 2))
+        first = abs(losses[0] - base_losses[0]) / abs(base_losses[0])
+        rows.append({
+            "mode": mode, "devices": n, "step_ms": 1e3 * step, "first_step_s": seconds[0],
+            "tokens_per_s": batch_tokens / step, "speedup_vs_1": base_step / step,
+            "efficiency_vs_1": base_step / (n * step),
+            "efficiency_vs_2": 2 * statistics.median(two[1][1:]) / (n * step) if two and n >= 2 else None,
+            "first_loss_rel_difference_vs_1": first, "first_loss_agrees": first <= tolerance,
+            "max_loss_abs_difference_vs_1": max(abs(a - b) for a, b in zip(losses, base_losses)),
+            "losses": losses,
+        })
+    return rows
+
+
+def main() -> None:
+    args, example = parse_args()
+    if example.cpu_devices:
+        # Read when jax creates its CPU backend, which has not happened yet.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={example.cpu_devices}")
+        jax.config.update("jax_platforms", "cpu")
+    devices = jax.devices()
+    counts = sorted(set(args.device_counts or [1 << i for i in range(len(devices).bit_length())] + [len(devices)]))
+    if counts[0] != 1 or counts[-1] > len(devices):
+        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
+    config = sharded_training.model_config(example)
+    modes = ["partitioned", "ring"] if example.attention == "both" else [example.attention]
+    print(f"{len(devices)} x {devices[0].device_kind}, counts {counts}, {config}")
+    runs = {}
+    for n in counts:
+        layout = vars(example) | ({"seq_shards": n} if args.all_on_sequence else {})
+        mesh = sharded_training.make_mesh(argparse.Namespace(**layout), devices[:n])
+        print(f"{n} device(s), mesh {dict(mesh.shape)}", flush=True)
+        for mode in modes:
+            runs[(mode, n)] = sharded_training.train(mesh, config, argparse.Namespace(**layout | {"attention": mode}))
+    tolerance = TOLERANCE[example.dtype]["loss"]
+    rows = scaling_rows(runs, example.batch_size * example.seq_len, tolerance)
+    print(f"{'mode':>11} | {'devices':>7} | {'step ms':>9} | {'tokens/s':>10} | {'speedup':>7} | {'eff/1':>5} | "
+          f"{'eff/2':>5} | first loss vs 1 device (relative)")
+    for row in rows:
+        eff2 = "" if row["efficiency_vs_2"] is None else f"{row['efficiency_vs_2']:.2f}"
+        print(f"{row['mode']:>11} | {row['devices']:>7} | {row['step_ms']:>9.1f} | {row['tokens_per_s']:>10.0f} | "
+              f"{row['speedup_vs_1']:>7.2f} | {row['efficiency_vs_1']:>5.2f} | {eff2:>5} | "
+              f"{row['first_loss_rel_difference_vs_1']:.1e}" + ("" if row["first_loss_agrees"] else " DISAGREES"))
+    os.makedirs(args.out_dir, exist_ok=True)
+    device = devices[0].device_kind
+    date = datetime.date.today().isoformat()
+    path = os.path.join(args.out_dir, f"sharded_training_{device.replace(' ', '_')}_{date}"
+                        + (f"_{args.tag}" if args.tag else "") + ".json")
+    with open(path, "w") as f:
+        json.dump({"device": device, "device_count": len(devices), "date": date, "versions": versions(),
+                   "config": vars(args) | {"example": vars(example)}, "loss_tolerance": tolerance, "rows": rows},
+                  f, indent=1)
+    print(f"wrote {path}")
+    if not all(row["first_loss_agrees"] for row in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
