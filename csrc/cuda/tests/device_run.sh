@@ -5,7 +5,9 @@
 #   bash csrc/cuda/tests/device_run.sh build check sanitize pytest bench
 # Stages
 #   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
-#                when the sources and build switches are those of the last build on this (warm) machine
+#                when the sources and build switches are those of the last build on this (warm) machine; links a
+#                carried prebuilt/ kernel library of the same sources and switches instead of compiling the kernels
+#   prebuild     (here, on the CPU machine) that library into prebuilt/: see prebuild()
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
 #   persistent   the sm90 forward's grid modes (the check stage runs the default, auto: persistent for every case
@@ -92,6 +94,34 @@ stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   return $rc
 }
 
+# The kernel library's inputs: its sources (csrc/common, csrc/cuda but its tests), the CMake files, the switches that
+# choose its units, the compiler's release and the CUTLASS wheel.
+kernel_stamp() {
+  local switch
+  (find csrc/common csrc/cuda -path csrc/cuda/tests -prune -o -type f -print0 | sort -z | xargs -0 md5sum
+   md5sum CMakeLists.txt cmake/*
+   for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
+     echo "$switch=${!switch:-}"
+   done
+   nvcc --version | grep -o "release [0-9.]*"
+   ls .whl) | md5sum
+}
+
+# prebuild (on any machine with nvcc, no GPU needed): the kernel library for the exported switches into prebuilt/,
+# with its kernel_stamp. Carried to a GPU machine (`carry: [".whl", "prebuilt"]`), `build` links it instead of
+# compiling the kernels where the stamps match. Incremental: build/prebuild is kept between runs.
+prebuild() {
+  local dir=build/prebuild switch defines=()
+  for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
+    [ -n "${!switch:-}" ] && defines+=("-D$switch=${!switch}")
+  done
+  # -U first: a switch unset now takes CMakeLists' default, not the value an earlier run left in the cache.
+  cmake -S . -B "$dir" -G Ninja -U 'JAX_FLASH_CUDA*' -DJAX_FLASH_CUDA=ON -DPython_EXECUTABLE="$(command -v python3)" \
+    "${defines[@]}" || return 1
+  cmake --build "$dir" --target jax_flash_cuda_kernels -j "${PREBUILD_JOBS:-$(nproc)}" || return 1
+  mkdir -p prebuilt && cp "$dir/csrc/cuda/libjax_flash_cuda_kernels.a" prebuilt/ && kernel_stamp > prebuilt/stamp
+}
+
 build() {
   local stamp
   stamp=$( (find csrc CMakeLists.txt cmake pyproject.toml -type f -print0 | sort -z | xargs -0 md5sum;
@@ -100,10 +130,27 @@ build() {
     echo "unchanged since the last build here"; return 0
   fi
   python3 -m pip install -q --no-deps --no-index .whl/*.whl || return 1
-  JAX_FLASH_CUDA=ON python3 -m pip install --no-deps --no-build-isolation -v . || return 1
+  local prebuilt=""
+  if [ -f prebuilt/stamp ] && [ "$(cat prebuilt/stamp)" = "$(kernel_stamp)" ]; then
+    prebuilt=$repo/prebuilt/libjax_flash_cuda_kernels.a
+    echo "kernels: prebuilt/ (its stamp matches these sources and switches)"
+    # Another toolchain's objects might still fail to link or to load (libstdc++ versions): then compile them.
+    if ! JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB=$prebuilt python3 -m pip install --no-deps \
+         --no-build-isolation -v . ||
+       ! (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT_WITH_CUDA)"); then
+      echo "kernels: the prebuilt library did not link or load; compiling them"
+      prebuilt=""
+    fi
+  elif [ -f prebuilt/stamp ]; then
+    echo "kernels: prebuilt/ is of other sources or switches; compiling them"
+  fi
+  if [ -z "$prebuilt" ]; then
+    JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB="" python3 -m pip install --no-deps --no-build-isolation -v . ||
+      return 1
+  fi
   local cutlass library
   cutlass=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
-  library=$(find build -name libjax_flash_cuda_kernels.a | head -1)
+  library=${prebuilt:-$(find build -name libjax_flash_cuda_kernels.a | head -1)}
   nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -I"$cutlass" \
     csrc/cuda/tests/standalone_check.cu "$library" -o "$check" || return 1
   echo "$stamp" > build/.stamp
@@ -340,6 +387,7 @@ fi
 run_stage() {
   case $1 in
     build) stage build 500 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
+    prebuild) stage prebuild 7200 prebuild || { tail -n 30 "$out/prebuild.log"; exit 1; } ;;
     check) stage check 120 "$check" ;;
     check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;
     sanitize) stage sanitize 240 sanitize ;;
