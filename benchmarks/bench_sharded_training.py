@@ -4,8 +4,9 @@ scaling efficiency against one and two devices, and its losses against the one-d
 At every count of ``--device-counts`` the model, its initialisation and its batches are the same (the global batch
 and sequence do not change: strong scaling); only the mesh grows. ``--all-on-sequence`` puts every device on the
 sequence axis (one ring of N devices: what a single long sequence needs), otherwise the example's own layout
-(``--seq-shards``, default: all of two or fewer devices, else half of them, the rest on the batch). Both attention
-modes of the example (``--attention``: the jit-partitioned ring, the zigzag ring in shard_map) run at each count.
+(``--seq-shards``, capped at N; default: all of two or fewer devices, else half of them, the rest on the batch).
+Both attention modes of the example (``--attention``: the jit-partitioned ring, the zigzag ring in shard_map) run
+at each count.
 
 Each row: the median step time (the first step, with compilation, apart), tokens/s, the speedup over one device,
 the scaling efficiency (speedup / N; and 2·t₂ / (N·t_N) against two devices), and the losses' differences from the
@@ -29,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "examples"))  # the example and its model
@@ -78,6 +80,43 @@ def scaling_rows(runs: dict[tuple[str, int], tuple[list[float], list[float]]], b
     return rows
 
 
+def layout_at(example: argparse.Namespace, n: int, all_on_sequence: bool) -> argparse.Namespace:
+    """The example's arguments at ``n`` devices: every device on the sequence, or its ``--seq-shards`` capped at n."""
+    seq_shards = n if all_on_sequence else min(example.seq_shards, n)
+    return argparse.Namespace(**vars(example) | {"seq_shards": seq_shards})
+
+
+def run(args: argparse.Namespace, example: argparse.Namespace, devices: list[jax.Device],
+        on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """The example trained at every count of ``args.device_counts`` on the first N of ``devices``, both attention
+    modes of ``example.attention``; ``on_rows`` sees the rows so far after each count."""
+    counts = sorted(set(args.device_counts))
+    if counts[0] != 1 or counts[-1] > len(devices):
+        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
+    config = sharded_training.model_config(example)
+    modes = ["partitioned", "ring"] if example.attention == "both" else [example.attention]
+    print(f"{len(devices)} x {devices[0].device_kind}, counts {counts}, {config}")
+    tolerance = TOLERANCE[example.dtype]["loss"]
+    runs, rows = {}, []
+    for n in counts:
+        layout = layout_at(example, n, args.all_on_sequence)
+        mesh = sharded_training.make_mesh(layout, devices[:n])
+        print(f"{n} device(s), mesh {dict(mesh.shape)}", flush=True)
+        for mode in modes:
+            mode_args = argparse.Namespace(**vars(layout) | {"attention": mode})
+            runs[(mode, n)] = sharded_training.train(mesh, config, mode_args)
+        rows = scaling_rows(runs, example.batch_size * example.seq_len, tolerance)
+        on_rows(rows)
+    print(f"{'mode':>11} | {'devices':>7} | {'step ms':>9} | {'tokens/s':>10} | {'speedup':>7} | {'eff/1':>5} | "
+          f"{'eff/2':>5} | first loss vs 1 device (relative)")
+    for row in rows:
+        eff2 = "" if row["efficiency_vs_2"] is None else f"{row['efficiency_vs_2']:.2f}"
+        print(f"{row['mode']:>11} | {row['devices']:>7} | {row['step_ms']:>9.1f} | {row['tokens_per_s']:>10.0f} | "
+              f"{row['speedup_vs_1']:>7.2f} | {row['efficiency_vs_1']:>5.2f} | {eff2:>5} | "
+              f"{row['first_loss_rel_difference_vs_1']:.1e}" + ("" if row["first_loss_agrees"] else " DISAGREES"))
+    return rows
+
+
 def main() -> None:
     args, example = parse_args()
     if example.cpu_devices:
@@ -86,37 +125,21 @@ def main() -> None:
                                    + f" --xla_force_host_platform_device_count={example.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
     devices = jax.devices()
-    counts = sorted(set(args.device_counts or [1 << i for i in range(len(devices).bit_length())] + [len(devices)]))
-    if counts[0] != 1 or counts[-1] > len(devices):
-        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
-    config = sharded_training.model_config(example)
-    modes = ["partitioned", "ring"] if example.attention == "both" else [example.attention]
-    print(f"{len(devices)} x {devices[0].device_kind}, counts {counts}, {config}")
-    runs = {}
-    for n in counts:
-        layout = vars(example) | ({"seq_shards": n} if args.all_on_sequence else {})
-        mesh = sharded_training.make_mesh(argparse.Namespace(**layout), devices[:n])
-        print(f"{n} device(s), mesh {dict(mesh.shape)}", flush=True)
-        for mode in modes:
-            runs[(mode, n)] = sharded_training.train(mesh, config, argparse.Namespace(**layout | {"attention": mode}))
-    tolerance = TOLERANCE[example.dtype]["loss"]
-    rows = scaling_rows(runs, example.batch_size * example.seq_len, tolerance)
-    print(f"{'mode':>11} | {'devices':>7} | {'step ms':>9} | {'tokens/s':>10} | {'speedup':>7} | {'eff/1':>5} | "
-          f"{'eff/2':>5} | first loss vs 1 device (relative)")
-    for row in rows:
-        eff2 = "" if row["efficiency_vs_2"] is None else f"{row['efficiency_vs_2']:.2f}"
-        print(f"{row['mode']:>11} | {row['devices']:>7} | {row['step_ms']:>9.1f} | {row['tokens_per_s']:>10.0f} | "
-              f"{row['speedup_vs_1']:>7.2f} | {row['efficiency_vs_1']:>5.2f} | {eff2:>5} | "
-              f"{row['first_loss_rel_difference_vs_1']:.1e}" + ("" if row["first_loss_agrees"] else " DISAGREES"))
+    args.device_counts = args.device_counts or sorted(
+        {1 << i for i in range(len(devices).bit_length())} | {len(devices)})
     os.makedirs(args.out_dir, exist_ok=True)
     device = devices[0].device_kind
     date = datetime.date.today().isoformat()
     path = os.path.join(args.out_dir, f"sharded_training_{device.replace(' ', '_')}_{date}"
                         + (f"_{args.tag}" if args.tag else "") + ".json")
-    with open(path, "w") as f:
-        json.dump({"device": device, "device_count": len(devices), "date": date, "versions": versions(),
-                   "config": vars(args) | {"example": vars(example)}, "loss_tolerance": tolerance, "rows": rows},
-                  f, indent=1)
+
+    def write(rows: list[dict]) -> None:  # after every count, so that a run cut short still leaves its results
+        with open(path, "w") as f:
+            json.dump({"device": device, "device_count": len(devices), "date": date, "versions": versions(),
+                       "config": vars(args) | {"example": vars(example)},
+                       "loss_tolerance": TOLERANCE[example.dtype]["loss"], "rows": rows}, f, indent=1)
+
+    rows = run(args, example, devices, on_rows=write)
     print(f"wrote {path}")
     if not all(row["first_loss_agrees"] for row in rows):
         sys.exit(1)

@@ -2,7 +2,7 @@
 heads or its sequence sharded, at each device count of ``--device-counts``, against one device.
 
 Cases (``--cases``; at every count N the call is the same, so the times compare directly: strong scaling):
-- ``batch``: ``--batch`` sequences of ``--seq-len`` tokens (default: as many as the largest count), the batch
+- ``batch``: ``--batch`` sequences of ``--seq-len`` tokens (default: the least common multiple of the counts), the batch
   sharded (jit + NamedSharding: custom partitioning, no communication).
 - ``heads``: one sequence, the query and KV heads sharded (the same; N must divide ``--kv-heads``).
 - ``ring-jit``: one sequence, its tokens sharded under jit (custom partitioning: ring attention; a causal mask moves
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -112,18 +113,21 @@ def step_flops(batch: int, args: argparse.Namespace) -> float:
     return 3.5 * forward
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    devices = jax.devices()
+def run(args: argparse.Namespace, devices: list[jax.Device] | None = None,
+        on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every case of ``args`` at every device count, on the first N of ``devices`` (default: the default backend's);
+    ``on_row`` sees the rows so far after each one."""
+    devices = devices or jax.devices()
     counts = sorted(set(args.device_counts))
     if counts[0] != 1 or counts[-1] > len(devices):
         raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
-    batch = args.batch or counts[-1]
+    batch = args.batch or math.lcm(*counts)
     divisors = {"batch": ("--batch", batch), "heads": ("--kv-heads", args.kv_heads),
-                "ring-jit": ("--seq-len / 2", args.seq_len // 2), "ring-zigzag": ("--seq-len / 2", args.seq_len // 2)}
+                "ring-jit": ("--seq-len / 2", args.seq_len / 2), "ring-zigzag": ("--seq-len / 2", args.seq_len / 2)}
     for case in args.cases:
         name, value = divisors[case]
         if any(value % n for n in counts):
-            raise SystemExit(f"case {case}: every device count must divide {name} = {value}")
+            raise SystemExit(f"case {case}: every device count must divide {name} = {value:g}")
     rows = []
     print(f"{'case':>12} | {'devices':>7} | {'step ms':>10} | {'TFLOP/s':>8} | {'speedup':>7} | {'eff/1':>5} | "
           f"{'eff/2':>5} | max |diff| vs 1 device (relative)")
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                    "efficiency_vs_2": 2 * times[2] / (n * seconds) if 2 in times and n >= 2 else None,
                    "max_abs_difference_vs_1_device": absolute, "max_rel_difference_vs_1_device": relative}
             rows.append(row)
+            on_row(rows)
             eff2 = "" if row["efficiency_vs_2"] is None else f"{row['efficiency_vs_2']:.2f}"
             diff = "" if absolute is None else f"{absolute:.2e} ({relative:.1e})"
             print(f"{case:>12} | {n:>7} | {row['step_ms']:>10.2f} | {row['tflops']:>8.1f} | "
@@ -188,14 +193,17 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     print(f"{jax.device_count()} x {device}, jax {jax.__version__}, seq_len {args.seq_len}, heads "
           f"{args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.dtype}, causal {args.causal}")
-    rows = run(args)
     os.makedirs(args.out_dir, exist_ok=True)
     date = datetime.date.today().isoformat()
     path = os.path.join(args.out_dir, f"sharding_{device.replace(' ', '_')}_{date}"
                         + (f"_{args.tag}" if args.tag else "") + ".json")
-    with open(path, "w") as f:
-        json.dump({"device": device, "device_count": jax.device_count(), "date": date, "versions": versions(),
-                   "config": vars(args), "rows": rows}, f, indent=1)
+
+    def write(rows: list[dict]) -> None:  # after every row, so that a run cut short still leaves its results
+        with open(path, "w") as f:
+            json.dump({"device": device, "device_count": jax.device_count(), "date": date, "versions": versions(),
+                       "config": vars(args), "rows": rows}, f, indent=1)
+
+    run(args, on_row=write)
     print(f"wrote {path}")
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call on a machine with several GPUs (nvidia-h200-x2 / -x4 / -x8), from the repository root with .whl carried:
-# build the package with the head dims these runs use (kept between calls on a warm machine), then the named stages
+# One call on a machine with several GPUs (nvidia-h200-x2 / -x4 / -x8), from the repository root with .whl (and
+# prebuilt/, if current) carried: build the package (kept between calls on a warm machine), then the named stages
 # in order, each under its own time limit ($<STAGE>_LIMIT seconds), logging to $OUT/<stage>.log; result JSON goes
-# to $OUT too. With no stage named: tests bench_sharding train_equal train_long.
+# to $OUT too, and at the end all of it into $OUT/results.tar.gz beside $OUT/summary.log (one line per stage). With
+# no stage named: tests bench_sharding train_equal train_long.
 #   tests           the sharding and ring-attention tests on every GPU (JAX_FLASH_TEST_PLATFORM=gpu)
 #   bench_sharding  benchmarks/bench_sharding.py: batch and head sharding at $SHARD_SEQ_LEN tokens (default 32k),
 #                   at 1, 2, 4 ... every GPU
@@ -29,7 +30,7 @@ stage() {  # stage NAME DEFAULT_SECONDS COMMAND...: log to $out/NAME.log, keep g
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.log"
   tail -n 25 "$out/$name.log"
   [ $rc -eq 0 ] || status=1
 }
@@ -37,17 +38,15 @@ stage() {  # stage NAME DEFAULT_SECONDS COMMAND...: log to $out/NAME.log, keep g
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 repo=$(pwd)
-stage install 60 python3 -m pip install -q --no-deps --no-index .whl/*.whl
 # The nnx example needs Flax >= 0.12.8 (is_causal, num_kv_heads); carry it in .whl_flax when the image is older.
 if ! python3 -c "import flax, sys; sys.exit(tuple(map(int, flax.__version__.split('.')[:3])) < (0, 12, 8))"; then
   stage install_flax 60 python3 -m pip install -q --no-deps --no-index .whl_flax/*.whl
 fi
-# A build left by an earlier call on this machine is reused. (Checked from /tmp: in the checkout, `import
-# jax_flash` would find the uncompiled source tree.)
-if ! (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT_WITH_CUDA)"); then
-  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_ARCHS=90a JAX_FLASH_CUDA_HEAD_DIMS="${HEAD_DIMS:-32;64;128}" \
-    stage build 300 python3 -m pip install --no-deps --no-build-isolation .
-fi
+# The package as the single-GPU script builds it (csrc/cuda/tests/device_run.sh build: skipped on a warm machine whose
+# sources and switches are unchanged, the carried prebuilt/ kernel library linked where its stamp matches); the
+# float16 kernels left out unless JAX_FLASH_CUDA_FP16 says otherwise, as no run here uses them.
+JAX_FLASH_CUDA_FP16=${JAX_FLASH_CUDA_FP16:-OFF} OUT=$out/build stage build 560 bash csrc/cuda/tests/device_run.sh build
+grep "^build" "$out/build/summary.log" 2>/dev/null
 # The model of the training stages: 8 heads of 128, 4 layers.
 model=(--d-model 1024 --num-heads 8 --num-kv-heads 8 --num-layers 4)
 
@@ -88,4 +87,8 @@ for name in "${stages[@]}"; do
     *) echo "unknown stage $name" >&2; status=1 ;;
   esac
 done
+# The device tool brings back at most 8 files: everything but summary.log travels in one archive.
+archive=$(mktemp --suffix=.tar.gz)
+(cd "$out" && tar czf "$archive" --exclude=summary.log . && find . -mindepth 1 ! -name summary.log -delete &&
+  mv "$archive" results.tar.gz)
 exit $status

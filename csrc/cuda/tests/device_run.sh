@@ -8,6 +8,7 @@
 #                when the sources and build switches are those of the last build on this (warm) machine; links a
 #                carried prebuilt/ kernel library of the same sources and switches instead of compiling the kernels
 #   prebuild     (here, on the CPU machine) that library into prebuilt/: see prebuild()
+#   prebuilt_stamp  whether prebuilt/ matches the sources and the exported switches
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
 #   persistent   the sm90 forward's grid modes (the check stage runs the default, auto: persistent for every case
@@ -94,32 +95,71 @@ stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   return $rc
 }
 
-# The kernel library's inputs: its sources (csrc/common, csrc/cuda but its tests), the CMake files, the switches that
-# choose its units, the compiler's release and the CUTLASS wheel.
+# The CUTLASS/CuTe headers the kernels compile against: $CUTLASS_INCLUDE_DIR, else the installed nvidia-cutlass
+# wheel's (as cmake/cuda_switch.cmake finds them).
+cutlass_include() {
+  if [ -n "${CUTLASS_INCLUDE_DIR:-}" ]; then echo "$CUTLASS_INCLUDE_DIR"; return; fi
+  python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
+}
+
+# The kernel library's inputs: its sources (csrc/common, csrc/cuda but its tests), the CMake files and pyproject.toml
+# (the switches' defaults), the switches that choose its units, nvcc's release and the CUTLASS version. The same on
+# every machine for the same tree: relative paths, C collation.
 kernel_stamp() {
   local switch
-  (find csrc/common csrc/cuda -path csrc/cuda/tests -prune -o -type f -print0 | sort -z | xargs -0 md5sum
-   md5sum CMakeLists.txt cmake/*
+  (find csrc/common csrc/cuda -path csrc/cuda/tests -prune -o -name __pycache__ -prune -o -type f -print0 |
+     LC_ALL=C sort -z | xargs -0 md5sum
+   md5sum CMakeLists.txt cmake/* pyproject.toml
    for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
      echo "$switch=${!switch:-}"
    done
    nvcc --version | grep -o "release [0-9.]*"
-   ls .whl) | md5sum
+   grep "define CUTLASS_[A-Z]*_VERSION " "$(cutlass_include)/cutlass/version.h") | md5sum
 }
 
-# prebuild (on any machine with nvcc, no GPU needed): the kernel library for the exported switches into prebuilt/,
-# with its kernel_stamp. Carried to a GPU machine (`carry: [".whl", "prebuilt"]`), `build` links it instead of
-# compiling the kernels where the stamps match. Incremental: build/prebuild is kept between runs.
+# prebuild (on any machine with nvcc, no GPU needed): the kernel library for the exported switches, gzipped into
+# prebuilt/ (the objects with line info take ~80 MiB, over what a device call carries) with its kernel_stamp. Carried
+# to a GPU machine (`carry: [".whl", "prebuilt"]`), `build` links it instead of compiling the kernels where the stamps
+# match. Incremental: build/prebuild is kept between runs. The stamp is written only if the sources did not change
+# while the library compiled.
 prebuild() {
-  local dir=build/prebuild switch defines=()
+  local dir=build/prebuild switch defines=() before
   for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
     [ -n "${!switch:-}" ] && defines+=("-D$switch=${!switch}")
   done
+  before=$(kernel_stamp)
+  rm -f prebuilt/stamp
   # -U first: a switch unset now takes CMakeLists' default, not the value an earlier run left in the cache.
-  cmake -S . -B "$dir" -G Ninja -U 'JAX_FLASH_CUDA*' -DJAX_FLASH_CUDA=ON -DPython_EXECUTABLE="$(command -v python3)" \
-    "${defines[@]}" || return 1
+  cmake -S . -B "$dir" -G Ninja -U 'JAX_FLASH_CUDA*' -DJAX_FLASH_CUDA=ON -DJAX_FLASH_CUDA_PREBUILT_LIB= \
+    -DPython_EXECUTABLE="$(command -v python3)" "${defines[@]}" || return 1
   cmake --build "$dir" --target jax_flash_cuda_kernels -j "${PREBUILD_JOBS:-$(nproc)}" || return 1
-  mkdir -p prebuilt && cp "$dir/csrc/cuda/libjax_flash_cuda_kernels.a" prebuilt/ && kernel_stamp > prebuilt/stamp
+  mkdir -p prebuilt && gzip -c "$dir/csrc/cuda/libjax_flash_cuda_kernels.a" > prebuilt/libjax_flash_cuda_kernels.a.gz ||
+    return 1
+  if [ "$(kernel_stamp)" != "$before" ]; then
+    echo "the sources or switches changed during the build: no stamp written, run prebuild again"; return 1
+  fi
+  echo "$before" > prebuilt/stamp
+  du -h prebuilt/libjax_flash_cuda_kernels.a.gz
+}
+
+# The kernels: "prebuilt" (linked from a carried prebuilt/ whose stamp matches), "compiled", or "" on failure; one
+# line on how to summary.log.
+install_package() {
+  local why="no prebuilt/"
+  if [ -f prebuilt/stamp ] && [ "$(cat prebuilt/stamp)" != "$(kernel_stamp)" ]; then
+    why="prebuilt/ is of other sources or switches"
+  elif [ -f prebuilt/stamp ]; then
+    mkdir -p build && gzip -dc prebuilt/libjax_flash_cuda_kernels.a.gz > build/libjax_flash_cuda_kernels.a &&
+      JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB=$repo/build/libjax_flash_cuda_kernels.a \
+        python3 -m pip install --no-deps --no-build-isolation -v . >&2 &&
+      # Another toolchain's objects might still fail to load (libstdc++ versions): then compile them.
+      (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT_WITH_CUDA)") >&2 &&
+      { echo "build: kernels prebuilt (prebuilt/ linked)" >> "$out/summary.log"; echo prebuilt; return; }
+    why="prebuilt/ did not link or load"
+  fi
+  echo "build: kernels compiled ($why)" >> "$out/summary.log"
+  JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB="" python3 -m pip install --no-deps --no-build-isolation -v . >&2 &&
+    echo compiled
 }
 
 build() {
@@ -130,28 +170,13 @@ build() {
     echo "unchanged since the last build here"; return 0
   fi
   python3 -m pip install -q --no-deps --no-index .whl/*.whl || return 1
-  local prebuilt=""
-  if [ -f prebuilt/stamp ] && [ "$(cat prebuilt/stamp)" = "$(kernel_stamp)" ]; then
-    prebuilt=$repo/prebuilt/libjax_flash_cuda_kernels.a
-    echo "kernels: prebuilt/ (its stamp matches these sources and switches)"
-    # Another toolchain's objects might still fail to link or to load (libstdc++ versions): then compile them.
-    if ! JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB=$prebuilt python3 -m pip install --no-deps \
-         --no-build-isolation -v . ||
-       ! (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT_WITH_CUDA)"); then
-      echo "kernels: the prebuilt library did not link or load; compiling them"
-      prebuilt=""
-    fi
-  elif [ -f prebuilt/stamp ]; then
-    echo "kernels: prebuilt/ is of other sources or switches; compiling them"
-  fi
-  if [ -z "$prebuilt" ]; then
-    JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB="" python3 -m pip install --no-deps --no-build-isolation -v . ||
-      return 1
-  fi
-  local cutlass library
-  cutlass=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
-  library=${prebuilt:-$(find build -name libjax_flash_cuda_kernels.a | head -1)}
-  nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -I"$cutlass" \
+  local kernels library
+  kernels=$(install_package) || return 1
+  [ -n "$kernels" ] || return 1
+  library=build/libjax_flash_cuda_kernels.a
+  [ "$kernels" = prebuilt ] || library=$(find build -path build/libjax_flash_cuda_kernels.a -prune -o \
+                                         -name libjax_flash_cuda_kernels.a -print | head -1)
+  nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -I"$(cutlass_include)" \
     csrc/cuda/tests/standalone_check.cu "$library" -o "$check" || return 1
   echo "$stamp" > build/.stamp
 }
@@ -388,6 +413,11 @@ run_stage() {
   case $1 in
     build) stage build 500 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
     prebuild) stage prebuild 7200 prebuild || { tail -n 30 "$out/prebuild.log"; exit 1; } ;;
+    prebuilt_stamp) if [ "$(cat prebuilt/stamp 2>/dev/null)" = "$(kernel_stamp)" ]; then
+                      echo "prebuilt/ is current" | tee -a "$out/summary.log"
+                    else
+                      echo "prebuilt/ is missing or stale: run prebuild" | tee -a "$out/summary.log"
+                    fi ;;
     check) stage check 120 "$check" ;;
     check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;
     sanitize) stage sanitize 240 sanitize ;;
