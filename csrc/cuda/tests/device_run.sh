@@ -114,7 +114,7 @@ kernel_stamp() {
      echo "$switch=${!switch:-}"
    done
    nvcc --version | grep -o "release [0-9.]*"
-   grep "define CUTLASS_[A-Z]*_VERSION " "$(cutlass_include)/cutlass/version.h") | md5sum
+   md5sum < "$(cutlass_include)/cutlass/version.h") | md5sum
 }
 
 # prebuild (on any machine with nvcc, no GPU needed): the kernel library for the exported switches, gzipped into
