@@ -143,9 +143,12 @@ def run(args: argparse.Namespace, devices: list[jax.Device] | None = None,
             times[n] = seconds
             got = _host(unshard(grads))
             del grads, placed
-            absolute, relative = (None, None) if expected is None else _differences(got, expected)
+            absolute: float | None = None
+            relative: float | None = None
             if expected is None:
                 expected = got
+            else:
+                absolute, relative = _differences(got, expected)
             row = {"case": case, "devices": n, "step_ms": 1e3 * seconds, "tokens": inputs[0].shape[0] * args.seq_len,
                    "tflops": flops / seconds / 1e12, "speedup_vs_1": times[1] / seconds,
                    "efficiency_vs_1": times[1] / (n * seconds),
