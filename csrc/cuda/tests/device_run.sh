@@ -102,13 +102,14 @@ cutlass_include() {
   python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
 }
 
-# The kernel library's inputs: its sources (csrc/common, csrc/cuda but its tests), the CMake files and pyproject.toml
-# (the switches' defaults), the switches that choose its units, nvcc's release and the CUTLASS version. The same on
-# every machine for the same tree: relative paths, C collation.
+# The kernel library's inputs: its sources (the headers and units of csrc/common and csrc/cuda but its tests: not
+# its README or the generator of the committed units), the CMake files and pyproject.toml (the switches' defaults),
+# the switches that choose its units, nvcc's release and the CUTLASS version. The same on every machine for the same
+# tree: relative paths, C collation.
 kernel_stamp() {
   local switch
-  (find csrc/common csrc/cuda -path csrc/cuda/tests -prune -o -name __pycache__ -prune -o -type f -print0 |
-     LC_ALL=C sort -z | xargs -0 md5sum
+  (find csrc/common csrc/cuda -path csrc/cuda/tests -prune -o -type f \( -name '*.h' -o -name '*.cu' -o \
+     -name '*.cuh' -o -name '*.hpp' -o -name CMakeLists.txt \) -print0 | LC_ALL=C sort -z | xargs -0 md5sum
    md5sum CMakeLists.txt cmake/* pyproject.toml
    for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
      echo "$switch=${!switch:-}"
