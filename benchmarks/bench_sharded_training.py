@@ -40,6 +40,7 @@ import jax  # noqa: E402
 
 import sharded_training  # noqa: E402
 from bench_attention import versions  # noqa: E402
+from bench_sharding import device_counts, scaling  # noqa: E402
 from bench_training_step import TOLERANCE  # noqa: E402
 
 RESULTS_DIR = os.path.join(_HERE, "results")
@@ -64,15 +65,12 @@ def scaling_rows(runs: dict[tuple[str, int], tuple[list[float], list[float]]], b
     rows = []
     for (mode, n), (losses, seconds) in sorted(runs.items()):
         step = statistics.median(seconds[1:])
-        base_losses, base_seconds = runs[(mode, 1)]
-        base_step = statistics.median(base_seconds[1:])
-        two = runs.get((mode, 2))
+        base_losses = runs[(mode, 1)][0]
+        steps = {count: statistics.median(times[1:]) for (of_mode, count), (_, times) in runs.items() if of_mode == mode}
         first = abs(losses[0] - base_losses[0]) / abs(base_losses[0])
         rows.append({
             "mode": mode, "devices": n, "step_ms": 1e3 * step, "first_step_s": seconds[0],
-            "tokens_per_s": batch_tokens / step, "speedup_vs_1": base_step / step,
-            "efficiency_vs_1": base_step / (n * step),
-            "efficiency_vs_2": 2 * statistics.median(two[1][1:]) / (n * step) if two and n >= 2 else None,
+            "tokens_per_s": batch_tokens / step, **scaling(steps, n),
             "first_loss_rel_difference_vs_1": first, "first_loss_agrees": first <= tolerance,
             "max_loss_abs_difference_vs_1": max(abs(a - b) for a, b in zip(losses, base_losses)),
             "losses": losses,
@@ -90,9 +88,7 @@ def run(args: argparse.Namespace, example: argparse.Namespace, devices: list[jax
         on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """The example trained at every count of ``args.device_counts`` on the first N of ``devices``, both attention
     modes of ``example.attention``; ``on_rows`` sees the rows so far after each count."""
-    counts = sorted(set(args.device_counts))
-    if counts[0] != 1 or counts[-1] > len(devices):
-        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
+    counts = device_counts(args.device_counts, len(devices))
     config = sharded_training.model_config(example)
     modes = ["partitioned", "ring"] if example.attention == "both" else [example.attention]
     print(f"{len(devices)} x {devices[0].device_kind}, counts {counts}, {config}")
@@ -125,8 +121,7 @@ def main() -> None:
                                    + f" --xla_force_host_platform_device_count={example.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
     devices = jax.devices()
-    args.device_counts = args.device_counts or sorted(
-        {1 << i for i in range(len(devices).bit_length())} | {len(devices)})
+    args.device_counts = device_counts(args.device_counts, len(devices))
     os.makedirs(args.out_dir, exist_ok=True)
     device = devices[0].device_kind
     date = datetime.date.today().isoformat()

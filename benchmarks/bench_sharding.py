@@ -113,14 +113,28 @@ def step_flops(batch: int, args: argparse.Namespace) -> float:
     return 3.5 * forward
 
 
+def device_counts(requested: list[int] | None, available: int) -> list[int]:
+    """The device counts to run, ascending: ``requested``, or 1, 2, 4, ... and ``available`` itself. Each must fit,
+    and 1 must be among them (every row is measured against it)."""
+    counts = sorted(set(requested or [1 << i for i in range(available.bit_length())] + [available]))
+    if counts[0] != 1 or counts[-1] > available:
+        raise SystemExit(f"--device-counts must start at 1 and stay within the {available} visible devices")
+    return counts
+
+
+def scaling(seconds: dict[int, float], n: int) -> dict[str, float | None]:
+    """Speedup of ``n`` devices over one, and scaling efficiency against one and (from two devices on) two, from the
+    step seconds per device count."""
+    return {"speedup_vs_1": seconds[1] / seconds[n], "efficiency_vs_1": seconds[1] / (n * seconds[n]),
+            "efficiency_vs_2": 2 * seconds[2] / (n * seconds[n]) if 2 in seconds and n >= 2 else None}
+
+
 def run(args: argparse.Namespace, devices: list[jax.Device] | None = None,
         on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """Every case of ``args`` at every device count, on the first N of ``devices`` (default: the default backend's);
     ``on_row`` sees the rows so far after each one."""
     devices = devices or jax.devices()
-    counts = sorted(set(args.device_counts))
-    if counts[0] != 1 or counts[-1] > len(devices):
-        raise SystemExit(f"--device-counts must start at 1 and stay within the {len(devices)} visible devices")
+    counts = device_counts(args.device_counts, len(devices))
     batch = args.batch or math.lcm(*counts)
     divisors = {"batch": ("--batch", batch), "heads": ("--kv-heads", args.kv_heads),
                 "ring-jit": ("--seq-len / 2", args.seq_len / 2), "ring-zigzag": ("--seq-len / 2", args.seq_len / 2)}
@@ -150,9 +164,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device] | None = None,
             else:
                 absolute, relative = _differences(got, expected)
             row = {"case": case, "devices": n, "step_ms": 1e3 * seconds, "tokens": inputs[0].shape[0] * args.seq_len,
-                   "tflops": flops / seconds / 1e12, "speedup_vs_1": times[1] / seconds,
-                   "efficiency_vs_1": times[1] / (n * seconds),
-                   "efficiency_vs_2": 2 * times[2] / (n * seconds) if 2 in times and n >= 2 else None,
+                   "tflops": flops / seconds / 1e12, **scaling(times, n),
                    "max_abs_difference_vs_1_device": absolute, "max_rel_difference_vs_1_device": relative}
             rows.append(row)
             on_row(rows)
@@ -191,8 +203,7 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
-    if args.device_counts is None:
-        args.device_counts = [1 << i for i in range(jax.device_count().bit_length())] + [jax.device_count()]
+    args.device_counts = device_counts(args.device_counts, jax.device_count())
     device = jax.devices()[0].device_kind
     print(f"{jax.device_count()} x {device}, jax {jax.__version__}, seq_len {args.seq_len}, heads "
           f"{args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {args.dtype}, causal {args.causal}")
