@@ -66,7 +66,8 @@ def scaling_rows(runs: dict[tuple[str, int], tuple[list[float], list[float]]], b
     for (mode, n), (losses, seconds) in sorted(runs.items()):
         step = statistics.median(seconds[1:])
         base_losses = runs[(mode, 1)][0]
-        steps = {count: statistics.median(times[1:]) for (of_mode, count), (_, times) in runs.items() if of_mode == mode}
+        steps = {count: statistics.median(times[1:])
+                 for (of_mode, count), (_, times) in runs.items() if of_mode == mode}
         first = abs(losses[0] - base_losses[0]) / abs(base_losses[0])
         rows.append({
             "mode": mode, "devices": n, "step_ms": 1e3 * step, "first_step_s": seconds[0],
