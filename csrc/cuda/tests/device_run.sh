@@ -47,7 +47,8 @@
 #   cmd*         the shell command ${NAME}_CMD (e.g. CMD_KA_CMD='JAX_FLASH_SM90_K_AHEAD=1 $check --small')
 #   train        benchmarks/bench_training_step.py $TRAIN_ARGS
 #   f32_memcheck memcheck over csrc/cuda/tests/float32_memcheck.py (float32 kernels through JAX): its runs $F32_CASES
-#                (default: all; an index may repeat), F32_EACH=1 one sanitizer process per run, F32_SANITIZER_FLAGS
+#                (default: all; an index may repeat; F32_MEMCHECK_CASES or F32_RACECHECK_CASES for one tool alone),
+#                F32_EACH=1 one sanitizer process per run, F32_JOBS=N N such processes at a time, F32_SANITIZER_FLAGS
 #                more compute-sanitizer options (e.g. --force-blocking-launches), F32_BACKTRACE=1 the sanitizer
 #                under cuda-gdb, which prints its stack if it crashes (f32_sanitize)
 #   f32_racecheck racecheck over the same
@@ -226,11 +227,22 @@ f32_sanitize() {
   if [ "${F32_EACH:-0}" != 1 ]; then
     "${sanitizer[@]}" ${F32_CASES:-}; return
   fi
-  for index in ${F32_CASES:-$(seq 0 $(($(python3 "$script" --count) - 1)))}; do
-    "${sanitizer[@]}" "$index" 2>&1 | grep -v "^========= COMPUTE-SANITIZER"
-    local status=${PIPESTATUS[0]}
-    echo "run $index: sanitizer exit $status"
-    [ "$status" = 0 ] || rc=1
+  # F32_JOBS=N: N sanitizer processes at a time (each run is mostly JAX start-up and compilation on the CPU, and the
+  # machine has 16 cores). Each run logs to its own file under $out, which survives a timeout; they are printed in
+  # order once all have ended.
+  local jobs=${F32_JOBS:-1} runs="$out/f32_${tool}_runs" n=0 log
+  mkdir -p "$runs"
+  local cases_var=F32_${tool^^}_CASES  # F32_MEMCHECK_CASES, F32_RACECHECK_CASES: this tool's runs, over F32_CASES
+  for index in ${!cases_var:-${F32_CASES:-$(seq 0 $(($(python3 "$script" --count) - 1)))}}; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    n=$((n + 1))
+    { "${sanitizer[@]}" "$index" 2>&1 | grep -v "^========= COMPUTE-SANITIZER"
+      echo "run $index: sanitizer exit ${PIPESTATUS[0]}"; } > "$runs/$(printf %03d $n)_run$index.log" &
+  done
+  wait
+  for log in "$runs"/*.log; do
+    cat "$log"
+    grep -q "sanitizer exit 0$" "$log" || rc=1
   done
   return $rc
 }
