@@ -40,7 +40,7 @@ import jax  # noqa: E402
 
 import sharded_training  # noqa: E402
 from bench_attention import versions  # noqa: E402
-from bench_sharding import device_counts, scaling  # noqa: E402
+from bench_sharding import device_counts, fake_cpu_devices, scaling  # noqa: E402
 from bench_training_step import TOLERANCE  # noqa: E402
 
 RESULTS_DIR = os.path.join(_HERE, "results")
@@ -117,10 +117,7 @@ def run(args: argparse.Namespace, example: argparse.Namespace, devices: list[jax
 def main() -> None:
     args, example = parse_args()
     if example.cpu_devices:
-        # Read when jax creates its CPU backend, which has not happened yet.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={example.cpu_devices}")
-        jax.config.update("jax_platforms", "cpu")
+        fake_cpu_devices(example.cpu_devices)
     devices = jax.devices()
     args.device_counts = device_counts(args.device_counts, len(devices))
     os.makedirs(args.out_dir, exist_ok=True)

@@ -175,6 +175,13 @@ def run(args: argparse.Namespace, devices: list[jax.Device] | None = None,
     return rows
 
 
+def fake_cpu_devices(count: int) -> None:
+    """Run on `count` fake CPU devices; call before anything asks jax for its devices."""
+    # Read when jax creates its CPU backend, which has not happened yet.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    jax.config.update("jax_platforms", "cpu")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-counts", type=int, nargs="+", default=None,
@@ -199,10 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.cpu_devices:
-        # Read when jax creates its CPU backend, which has not happened yet.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.cpu_devices}")
-        jax.config.update("jax_platforms", "cpu")
+        fake_cpu_devices(args.cpu_devices)
     args.device_counts = device_counts(args.device_counts, jax.device_count())
     device = jax.devices()[0].device_kind
     print(f"{jax.device_count()} x {device}, jax {jax.__version__}, seq_len {args.seq_len}, heads "
