@@ -224,16 +224,17 @@ f32_sanitize() {
   # shellcheck disable=SC2206  # F32_SANITIZER_FLAGS: options split on spaces
   local sanitizer=("${launcher[@]}" compute-sanitizer --tool "$tool" ${F32_SANITIZER_FLAGS:-} --error-exitcode 3
                    python3 -X faulthandler "$script")
+  local cases_var=F32_${tool^^}_CASES  # F32_MEMCHECK_CASES, F32_RACECHECK_CASES: this tool's runs, over F32_CASES
+  local cases=${!cases_var:-${F32_CASES:-}}  # empty: every run
   if [ "${F32_EACH:-0}" != 1 ]; then
-    "${sanitizer[@]}" ${F32_CASES:-}; return
+    "${sanitizer[@]}" $cases; return
   fi
   # F32_JOBS=N: N sanitizer processes at a time (each run is mostly JAX start-up and compilation on the CPU, and the
   # machine has 16 cores). Each run logs to its own file under $out, which survives a timeout; they are printed in
   # order once all have ended.
   local jobs=${F32_JOBS:-1} runs="$out/f32_${tool}_runs" n=0 log
   mkdir -p "$runs"
-  local cases_var=F32_${tool^^}_CASES  # F32_MEMCHECK_CASES, F32_RACECHECK_CASES: this tool's runs, over F32_CASES
-  for index in ${!cases_var:-${F32_CASES:-$(seq 0 $(($(python3 "$script" --count) - 1)))}}; do
+  for index in ${cases:-$(seq 0 $(($(python3 "$script" --count) - 1)))}; do
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
     n=$((n + 1))
     { "${sanitizer[@]}" "$index" 2>&1 | grep -v "^========= COMPUTE-SANITIZER"
