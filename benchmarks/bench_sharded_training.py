@@ -62,12 +62,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 def scaling_rows(runs: dict[tuple[str, int], tuple[list[float], list[float]]], batch_tokens: int,
                  tolerance: float) -> list[dict]:
     """One row per (mode, device count) from the runs' (losses, step seconds); each mode needs its 1-device run."""
+    step_of = {key: statistics.median(seconds[1:]) for key, (_, seconds) in runs.items()}  # the first step compiles
     rows = []
     for (mode, n), (losses, seconds) in sorted(runs.items()):
-        step = statistics.median(seconds[1:])
+        step = step_of[(mode, n)]
         base_losses = runs[(mode, 1)][0]
-        steps = {count: statistics.median(times[1:])
-                 for (of_mode, count), (_, times) in runs.items() if of_mode == mode}
+        steps = {count: value for (of_mode, count), value in step_of.items() if of_mode == mode}
         first = abs(losses[0] - base_losses[0]) / abs(base_losses[0])
         rows.append({
             "mode": mode, "devices": n, "step_ms": 1e3 * step, "first_step_s": seconds[0],
