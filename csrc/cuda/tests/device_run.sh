@@ -20,9 +20,10 @@
 #   dense90      the bias/mask forwards: the standalone grid with JAX_FLASH_SM90_DENSE=0 (sm80), then through the
 #                sm90 dense form (the default) per-tile and persistent (3 CTAs), and the three sanitizers on `--small`
 #                both ways (bench_cuda's padding-mask row times that forward both ways)
-#   pytest       tests/test_cuda.py -k "$PYTEST_K" (default: all) with $PYTEST_WORKERS workers, plus $PYTEST_EXTRA
+#   pytest*      tests/test_cuda.py -k "${NAME}_K" (default: all) with ${NAME}_WORKERS workers, plus $PYTEST_EXTRA
+#                (pytest: $PYTEST_K and $PYTEST_WORKERS; pytest_forms: $PYTEST_FORMS_K ...: two selections may run at once)
 #                (verbose: each result is listed as it happens, so a timed-out run still names its failures; their
-#                tracebacks go to pytest_failures.log as they happen, each test's duration to pytest_durations.log,
+#                tracebacks go to ${NAME}_failures.log as they happen, each test's duration to ${NAME}_durations.log,
 #                tests/conftest.py)
 #   sharding     the ring/sharding tests on every GPU of the machine
 #   bench*       benchmarks/bench_attention.py ${NAME}_ARGS under environment ${NAME}_ENV (bench: $BENCH_ARGS,
@@ -444,9 +445,10 @@ run_stage() {
     pytest_files) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu JAX_FLASH_FAILURE_LOG="$out/pytest_files_failures.log" \
                    stage pytest_files 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
                     $(for f in $PYTEST_FILES; do echo "$repo/$f"; done) ${PYTEST_EXTRA:-}) ;;
-    pytest) (cd /tmp && JAX_FLASH_FAILURE_LOG="$out/pytest_failures.log" JAX_FLASH_DURATION_LOG="$out/pytest_durations.log" \
-              stage pytest 300 python3 -m pytest "${pytest_args[@]}" -n ${PYTEST_WORKERS:-16} \
-              "$repo/tests/test_cuda.py" -k "${PYTEST_K:-}" ${PYTEST_EXTRA:-}) ;;
+    pytest*) local k_var=${1^^}_K workers_var=${1^^}_WORKERS  # pytest, pytest_forms, ...: own ${NAME}_K, ${NAME}_WORKERS
+      (cd /tmp && JAX_FLASH_FAILURE_LOG="$out/${1}_failures.log" JAX_FLASH_DURATION_LOG="$out/${1}_durations.log" \
+         stage "$1" 300 python3 -m pytest "${pytest_args[@]}" -n ${!workers_var:-16} \
+         "$repo/tests/test_cuda.py" -k "${!k_var:-}" ${PYTEST_EXTRA:-}) ;;
     sharding) (cd /tmp && JAX_FLASH_TEST_PLATFORM=gpu stage sharding 120 python3 -m pytest "${pytest_args[@]}" -n 4 \
                 "$repo/tests/test_ring_attention.py" "$repo/tests/test_sharding.py" "$repo/tests/test_sharding_dense.py") ;;
     bench_cuda) stage bench_cuda 90 bench_cuda ;;
