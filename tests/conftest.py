@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
+from build_refusal_skips import pytest_runtest_makereport  # noqa: E402,F401  (a hook: pytest finds it by name)
+
 # Every suite but test_cuda.py checks the CPU handlers (the specification), so on a machine with a GPU their
 # arrays are placed on the CPU; test_cuda.py places its own. JAX_FLASH_TEST_PLATFORM=gpu leaves the default
 # device alone (the sharding tests then run on the GPUs).

@@ -69,7 +69,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-90a}
 check=$repo/build/standalone_check
 # A build narrowed by the development switches (pyproject.toml) refuses the cases it has no kernel for: the
-# standalone check then skips them and counts them apart (standalone_check.cu), instead of failing them.
+# standalone check then skips them and counts them apart (standalone_check.cu), instead of failing them, and so do
+# the pytest stages (tests/build_refusal_skips.py: "unbuilt kernel: ..." skips).
 if [ -n "${JAX_FLASH_CUDA_HEAD_DIMS:-}${JAX_FLASH_CUDA_SM90_HEAD_DIMS:-}" ] ||
   [ "${JAX_FLASH_CUDA_FP16:-ON}" = OFF ]; then
   export JAX_FLASH_CHECK_SKIP_UNBUILT=1
