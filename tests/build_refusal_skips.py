@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-# The dispatcher's refusals all begin so (csrc/cuda/build_refusal.h), inside XLA's "INTERNAL: ..." error.
-BUILD_REFUSAL = "jax_flash (CUDA): this build has "
+# The CUDA handler's errors begin so (csrc/ffi/cuda_handlers.cc), inside XLA's "INTERNAL: ..." error, and the
+# dispatcher's refusals go on so (kBuildRefusalPrefix, csrc/cuda/build_refusal.h).
+HANDLER_PREFIX = "jax_flash (CUDA): "
+REFUSAL_PREFIX = "this build has "
 
 
 def build_refusal(error: BaseException) -> str | None:
@@ -16,10 +18,10 @@ def build_refusal(error: BaseException) -> str | None:
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
-    start = message.find(BUILD_REFUSAL)
+    start = message.find(HANDLER_PREFIX + REFUSAL_PREFIX)
     if start < 0:
         return None
-    return message[start + len("jax_flash (CUDA): "):].split(" [executable_name=")[0].splitlines()[0]
+    return message[start + len(HANDLER_PREFIX):].split(" [executable_name=")[0].splitlines()[0]
 
 
 @pytest.hookimpl(hookwrapper=True)
