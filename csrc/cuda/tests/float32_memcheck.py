@@ -1,6 +1,7 @@
 """Small float32 grid for compute-sanitizer: forward and backward of both float32 modes on odd shapes (partial
 tiles, head dims that are not multiples of 4 or 8, GQA/MQA, masks). Run as
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 float32_memcheck.py
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck --target-processes application-only \
+    python3 float32_memcheck.py
 (or --tool racecheck: device_run.sh's f32_memcheck and f32_racecheck stages). On a Hopper GPU the float32 paths'
 defaults apply (jax_flash/_config.py gpus_are_hopper): the "highest" forwards of the common-form cases run the
 split-TF32 kernel, their backwards the float16-parts passes at head dims 72..128 (multiples of 8: d=128 segments,

@@ -1,7 +1,8 @@
 """Small bf16 grid of chosen head dims for compute-sanitizer: forward and backward through JAX on odd shapes
 (partial tiles, GQA/MQA, causal with an offset, window, seqlens, segments, softcap). The standalone check has no
 head-dim filter, so this covers builds of a few head dims (JAX_FLASH_CUDA_HEAD_DIMS). Run as
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 head_dim_memcheck.py 96 192
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck --target-processes application-only \
+    python3 head_dim_memcheck.py 96 192
 One line per case (sanitizer_case.py)."""
 import sys
 

@@ -1,6 +1,7 @@
 """A small forward + backward through every kernel of the general variant (bias, boolean mask, dropout; dbias by
 stores, atomics and the deterministic dbias kernel), for compute-sanitizer:
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck python3 <this file>
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck --target-processes application-only \
+    python3 <this file>
 Prints the sums of the gradients so a run can be compared with another."""
 
 import jax

@@ -2,7 +2,7 @@
 under compute-sanitizer: a few small cases through JAX on the persistent grid capped at 2 CTAs (set by the caller,
 JAX_FLASH_SM90_PERSISTENT_CTAS=2), so that each CTA loops over several tiles and two share an SM.
 Run:  JAX_FLASH_SM90_TWO_PER_SM=1 JAX_FLASH_SM90_PERSISTENT_CTAS=2 compute-sanitizer --tool racecheck \
-          python3 csrc/cuda/tests/two_per_sm_sanitize.py"""
+          --target-processes application-only python3 csrc/cuda/tests/two_per_sm_sanitize.py"""
 import jax.numpy as jnp
 import numpy as np
 
