@@ -218,10 +218,10 @@ sanitize() {
 # The exit status printed is then cuda-gdb's: read the log.
 # --target-processes application-only (always passed): the sanitizer attaches to the Python process alone, not to the
 # processes it starts (XLA's compiler tools). With the default (all), the sanitizer's own process ended on SIGSEGV in
-# 4 of 10 runs of the forty-fifth session, each during the backward's first call, while the target went on (XLA's
+# 5 of 10 runs of the forty-fifth session, each during the backward's first call, while the target went on (XLA's
 # compile warnings came after the crash in the same log): s41's single-process crash, and likely s42/s44's runs that
-# never ended (the orphaned target held the old log pipe open). With it, none crashed: those four runs alone, and
-# memcheck of the whole grid in one process, were clean.
+# never ended (the orphaned target held the old log pipe open). With it, none of 8 processes crashed: those five runs
+# alone, memcheck of the whole grid in one process and racecheck of 13 runs in two were clean.
 f32_sanitize() {
   local tool=$1 script="$repo/csrc/cuda/tests/float32_memcheck.py" index rc=0 launcher=()
   export XLA_FLAGS=--xla_gpu_enable_command_buffer= XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
