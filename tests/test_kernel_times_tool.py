@@ -1,4 +1,4 @@
-"""CPU test of csrc/cuda/tests/backward_kernel_times.py's --summarize: it reads Nsight Compute's CSV (any duration
+"""CPU test of csrc/cuda/tests/attention_kernel_times.py's --summarize: it reads Nsight Compute's CSV (any duration
 unit) and keeps the kernels of the last call, the tail that the launches before it repeat twice."""
 
 import importlib.util
@@ -7,13 +7,13 @@ import os
 import pytest
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda", "tests",
-                    "backward_kernel_times.py")
+                    "attention_kernel_times.py")
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("backward_kernel_times", TOOL)
+    spec = importlib.util.spec_from_file_location("attention_kernel_times", TOOL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -31,9 +31,10 @@
 #   ncu_bwd      Nsight Compute sections of the Hopper backward's kernels (fused-dQ dK/dV, plain dK/dV, dQ);
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
 #   kernel_times each kernel of one jitted backward and its duration (Nsight Compute), jax_flash and cuDNN, for the
-#                cases $KERNEL_TIMES_CASES ("head_dim:seqlen[:causal] ...", default d=64 and d=128 causal 1k)
+#                cases $KERNEL_TIMES_CASES ("head_dim:seqlen[:causal] ...", default d=64 and d=128 causal 1k);
+#                KERNEL_TIMES_FORWARD=1 times the forward instead
 #   ncu_vs_cudnn Nsight Compute sections of the main backward kernel, jax_flash's and cuDNN's, case $NCU_VS_CASE
-#                (default 64:8192)
+#                (default 64:8192); NCU_VS_FORWARD=1 profiles the forward kernels instead
 #   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_APP, NCU_SRC_KERNEL, NCU_SRC_SKIP,
 #                NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
@@ -339,30 +340,34 @@ ncu_src() {
 
 # Nsight Compute sections (pipes, issue, stalls, memory) of the main backward kernel of one jitted backward, jax_flash's
 # dK/dV kernel and cuDNN's flash_bprop kernel, the fourth call's launch, for the case $NCU_VS_CASE
-# ("head_dim:seqlen[:causal]", default 64:8192; backward_kernel_times.py's shapes).
+# ("head_dim:seqlen[:causal]", default 64:8192; attention_kernel_times.py's shapes). NCU_VS_FORWARD=1: the forward
+# kernels of one jitted forward instead (jax_flash's forward_kernel, cuDNN's flash_fprop).
 ncu_vs_cudnn() {
-  local impl d s c
+  local impl d s c kernels="dkdv_kernel|flash_bprop" pass=()
   IFS=: read -r d s c <<<"${NCU_VS_CASE:-64:8192}"
+  [ "${NCU_VS_FORWARD:-0}" = 1 ] && kernels="forward_kernel|flash_fprop" pass=(--forward)
   for impl in jax_flash_sm90 cudnn; do
-    echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
-    (cd /tmp && ncu --kernel-name "regex:dkdv_kernel|flash_bprop" --launch-skip 3 --launch-count 1 \
-      "${kernel_sections[@]}" --section Occupancy python3 "$repo/csrc/cuda/tests/backward_kernel_times.py" \
-      --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal}) > "$out/ncu_vs_cudnn_${impl}.txt" 2>&1 || return 1
+    echo "== $impl d=$d seqlen=$s ${c:-non-causal} ${pass[*]}"
+    (cd /tmp && ncu --kernel-name "regex:$kernels" --launch-skip 3 --launch-count 1 \
+      "${kernel_sections[@]}" --section Occupancy python3 "$repo/csrc/cuda/tests/attention_kernel_times.py" \
+      --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} "${pass[@]}") > "$out/ncu_vs_cudnn_${impl}.txt" 2>&1 \
+      || return 1
     grep -E "Duration|Registers Per|Issue Slots Busy|Executed Instructions  " "$out/ncu_vs_cudnn_${impl}.txt"
   done
 }
 
-# Which kernels one jitted backward runs and how long each takes, jax_flash against cuDNN
-# (backward_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
+# Which kernels one jitted backward (KERNEL_TIMES_FORWARD=1: forward) runs and how long each takes, jax_flash against
+# cuDNN (attention_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
 kernel_times() {
-  local case impl d s c csv tool="$repo/csrc/cuda/tests/backward_kernel_times.py"
+  local case impl d s c csv tool="$repo/csrc/cuda/tests/attention_kernel_times.py" pass=()
+  [ "${KERNEL_TIMES_FORWARD:-0}" = 1 ] && pass=(--forward)
   for case in ${KERNEL_TIMES_CASES:-64:1024:causal 128:1024:causal}; do
     IFS=: read -r d s c <<<"$case"
     for impl in jax_flash_sm90 cudnn; do
       echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
-      csv="$out/kernel_times_${impl}_${d}_${s}${c:+_causal}.csv"
+      csv="$out/kernel_times_${impl}_${d}_${s}${c:+_causal}${pass:+_forward}.csv"
       (cd /tmp && ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
-        python3 "$tool" --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} > "$csv") || return 1
+        python3 "$tool" --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} "${pass[@]}" > "$csv") || return 1
       python3 "$tool" --summarize "$csv" || return 1
     done
   done
