@@ -72,8 +72,9 @@ def use_forward_kernel(monkeypatch, kernel: str, head_dim: int):
     monkeypatch.setenv("JAX_FLASH_CUDA_KERNEL", kernel)
 
 
-def check_forward_on_gpu(case: Case, **kwargs):
-    q, k, v = case.inputs()
+def check_forward_on_gpu(case: Case, inputs=None, **kwargs):
+    """The GPU forward of case.inputs() (or of `inputs`, q k v in the case's dtype) within the accuracy bound."""
+    q, k, v = case.inputs() if inputs is None else inputs
     kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
     _poison_gpu_memory()
     o, lse = jax_flash.attention(*_on(GPUS[0], q, k, v), return_lse=True, **kwargs_gpu)
@@ -232,6 +233,44 @@ def test_sm90_two_per_sm_tile_is_bit_identical(feature, monkeypatch):
     check_forward_on_gpu(case, **kwargs)
     monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "2")
     with pytest.raises(Exception, match="JAX_FLASH_SM90_TWO_PER_SM"):
+        jax.block_until_ready(jax_flash.attention(q, k, v))
+
+
+def rising_score_inputs(case: Case):
+    """case.inputs() with scores that rise steadily towards the first key, by ~20 (natural units) over the keys:
+    q's first component is shifted by 4, k's by a ramp from 40 (first key) to 0 (last key). The Hopper forward
+    walks the key tiles last to first, so each row's maximum keeps rising as it goes, in steps of a few log2 units
+    per key tile."""
+    q, k, v = case.inputs()
+    ramp = jnp.linspace(40.0, 0.0, case.seqlen_k)[None, :, None]
+    q = q.at[..., 0].add(jnp.asarray(4.0, q.dtype))
+    k = k.at[..., 0].add(ramp.astype(k.dtype))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_sm90_lazy_rescale(head_dim, causal, monkeypatch):
+    """The Hopper forward's 16-bit kernels keep a row's reference maximum until a key tile's maximum exceeds it
+    by more than 8 log2 units (online_softmax.h step; JAX_FLASH_SM90_LAZY_RESCALE, on by default). With scores
+    that rise by a few log2 units per key tile (rising_score_inputs), rows keep their reference through some tiles
+    and rescale O past others. On ("auto") and off ("0") are both within the accuracy bound, output and lse; they
+    differ (the switch is live: a kept reference rounds the probabilities differently); an invalid value is an
+    error naming the variable."""
+    use_forward_kernel(monkeypatch, "sm90", head_dim)
+    case = Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=2, head_dim=head_dim,
+                dtype=jnp.bfloat16, seed=61 + head_dim)
+    inputs = rising_score_inputs(case)
+    q, k, v = _on(GPUS[0], *inputs)
+    outputs = {}
+    for setting in ("auto", "0"):
+        monkeypatch.setenv("JAX_FLASH_SM90_LAZY_RESCALE", setting)
+        check_forward_on_gpu(case, inputs=inputs, causal=causal)
+        o, lse = jax_flash.attention(q, k, v, causal=causal, return_lse=True)
+        outputs[setting] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+    assert not np.array_equal(outputs["auto"][0], outputs["0"][0])
+    monkeypatch.setenv("JAX_FLASH_SM90_LAZY_RESCALE", "2")
+    with pytest.raises(Exception, match="JAX_FLASH_SM90_LAZY_RESCALE"):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 

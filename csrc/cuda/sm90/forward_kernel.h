@@ -328,6 +328,13 @@ __device__ __forceinline__ int opaque(int x) {
   return x;
 }
 
+// The kernel's parameter: the call's arguments (kernel_traits.h) and the per-call tuning that only the consumers
+// read (forward_launch.h sets it from the environment).
+template <class Traits>
+struct ForwardKernelArgs : ForwardArgs<Traits> {
+  float rescale_slack_log2 = 0.0f;  // online_softmax.h step: 0 rescales O whenever a row's maximum rises
+};
+
 // What a consumer warpgroup carries from one of its CTA's tiles to the next.
 template <class Traits>
 struct ConsumerProgress {
@@ -341,8 +348,8 @@ struct ConsumerProgress {
 // Force-inlined: as a called function, ptxas serialises every WGMMA of the transforming forms (C7510).
 template <class Traits, ForwardVariant kVariant>
 __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typename Traits::TmaO& tma_o,
-                                            const RowBlock& rb, typename Traits::SharedStorage& smem,
-                                            typename Traits::Pipeline& pipeline_k,
+                                            float rescale_slack_log2, const RowBlock& rb,
+                                            typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_k,
                                             typename Traits::Pipeline& pipeline_v, ConsumerProgress<Traits>& progress,
                                             bool last_tile, int group) {
   using namespace cute;
@@ -492,7 +499,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   pipeline_k.consumer_release(read);
   score(acc_s, n_block, read_boolean_mask);
   float correction[kRows];
-  softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
+  softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, rescale_slack_log2, correction);
   Tensor probs = make_tensor_like<T>(acc_s);
   // Split TF32: the probabilities' lo parts (elsewhere one unused register tensor, optimised away).
   Tensor probs_lo = [&] {
@@ -545,7 +552,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     warpgroup_wait<1>();  // S is ready; P V may still run
     pipeline_k.consumer_release(read);
     score(acc_s, n_block, read_boolean_mask);
-    softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, correction);
+    softmax.step(sm80::as_rows_cols(sm80_view(acc_s)), to_log2, rescale_slack_log2, correction);
     warpgroup_wait<0>();  // P V retired: its V stage and the probability registers are free
     pipeline_v.consumer_release(previous);
     if constexpr (kTilePartials) add_partial_sums(acc_o, partial);
@@ -649,9 +656,9 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
 
 // Consumer warpgroup `group`: each of the CTA's tiles in turn; an empty one only writes O = 0 and lse = -inf.
 template <class Traits, ForwardVariant kVariant>
-__device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                                       typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
-                                       int group) {
+__device__ __forceinline__ void consume(const ForwardKernelArgs<Traits>& args,
+                                       typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline_k,
+                                       typename Traits::Pipeline& pipeline_v, int group) {
   ConsumerProgress<Traits> progress;
   for (uint32_t pass = 0; pass * gridDim.x + blockIdx.x < args.grid.tiles; ++pass) {
     const RowBlock rb =
@@ -661,7 +668,8 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
       continue;
     }
     const bool last_tile = (pass + 1) * gridDim.x + blockIdx.x >= args.grid.tiles;
-    consume_tile<Traits, kVariant>(args.p, args.tma_o, rb, smem, pipeline_k, pipeline_v, progress, last_tile, group);
+    consume_tile<Traits, kVariant>(args.p, args.tma_o, args.rescale_slack_log2, rb, smem, pipeline_k, pipeline_v,
+                                   progress, last_tile, group);
   }
   // O's last TMA store has read shared memory before the CTA (and its shared memory) goes away.
   if constexpr (Traits::kTmaStoreO) {
@@ -671,7 +679,7 @@ __device__ __forceinline__ void consume(const ForwardArgs<Traits>& args, typenam
 
 template <class Traits, ForwardVariant kVariant>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
-    forward_kernel(const __grid_constant__ ForwardArgs<Traits> args) {
+    forward_kernel(const __grid_constant__ ForwardKernelArgs<Traits> args) {
   using namespace cute;
   extern __shared__ __align__(1024) char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);

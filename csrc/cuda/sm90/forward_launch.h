@@ -226,6 +226,22 @@ inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& 
   return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", wide_keys_by_default(kernel_head_dim, p.seqlen_k), wide_keys);
 }
 
+// The lazy rescale of 16-bit forwards (online_softmax.h step): a row keeps its reference maximum until a key tile's
+// maximum exceeds it by more than this (log2 units), so its probabilities stay below 2^8 = 256, in range for bf16,
+// float16 and float32 sums, and O is rescaled only on the rare tiles that raise a row's maximum that much. Float32
+// kernels (TF32, split TF32) keep the running maximum: their exactness was measured with it.
+constexpr float kLazyRescaleSlackLog2 = 8.0f;
+
+// JAX_FLASH_SM90_LAZY_RESCALE (read at every call): unset, "" "auto" or "1" rescales lazily where the kernel's
+// element is 16-bit, "0" never (the running maximum, as before).
+template <class Traits>
+std::string rescale_slack_log2(float* slack_log2) {
+  bool lazy = false;
+  if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_LAZY_RESCALE", true, &lazy); !err.empty()) return err;
+  *slack_log2 = lazy && !Traits::kTf32 ? kLazyRescaleSlackLog2 : 0.0f;
+  return {};
+}
+
 // CTAs of forward_kernel<Traits, kVariant> that fit on the current GPU at once (sm80/launch_common.h).
 template <class Traits, ForwardVariant kVariant>
 std::string resident_ctas(int64_t* ctas) {
@@ -240,19 +256,20 @@ std::string resident_ctas(int64_t* ctas) {
 // One kernel form with one tile, on the per-tile or the persistent grid.
 template <class Traits, ForwardVariant kVariant>
 std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_ctas, cudaStream_t stream) {
-  ForwardArgs<Traits> args{p,
-                           TileGrid{},
-                           make_tma_q<Traits>(p, p.q),
-                           make_tma_k<Traits>(p, p.k),
-                           make_tma_v<Traits>(p, p.tf32_vt),
-                           make_tma_o<Traits>(p),
-                           {}};
+  ForwardKernelArgs<Traits> args{{p,
+                                  TileGrid{},
+                                  make_tma_q<Traits>(p, p.q),
+                                  make_tma_k<Traits>(p, p.k),
+                                  make_tma_v<Traits>(p, p.tf32_vt),
+                                  make_tma_o<Traits>(p),
+                                  {}}};
   if constexpr (Traits::kSplit) {  // split_tf32_launch.h: p.q and p.k are the hi parts already
     const SplitTf32Parts parts =
         split_tf32_parts(p.tf32_vt, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
     args.tma_lo = {make_tma_q<Traits>(p, parts.q.lo), make_tma_k<Traits>(p, parts.k.lo),
                    make_tma_v<Traits>(p, parts.vt.lo)};
   }
+  if (std::string err = rescale_slack_log2<Traits>(&args.rescale_slack_log2); !err.empty()) return err;
   const auto kernel = forward_kernel<Traits, kVariant>;
   if (std::string err = sm80::allow_dynamic_smem(kernel, Traits::kSmemBytes); !err.empty()) return err;
   unsigned grid = 0;  // one CTA per tile
