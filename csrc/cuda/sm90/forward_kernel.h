@@ -328,11 +328,22 @@ __device__ __forceinline__ int opaque(int x) {
   return x;
 }
 
+// Whether the kernel's online softmax may keep a row's reference maximum and skip rescaling O (online_softmax.h
+// kLazy): 16-bit kernels with a head dim of 128 or more, whose O (64+ registers per consumer thread) makes the
+// skipped multiplies worth the vote and branch. On the H100 (bench_env_ab.py with the slack at 8 against 0, and
+// bench_attention.py grids before and after; NOTES, forty-sixth session) it ran d=256 2-8% and d=128 0-5% faster
+// (d=128 causal 16k 2-4% slower in the A/Bs, faster in the grids), but the d=64 two-per-SM tile 6-7% slower at
+// 1k-2k non-causal keys and the three-per-SM tile 1-3% slower at 1k causal: their O is 32 registers.
+template <class Traits>
+constexpr bool lazy_rescale() {
+  return Traits::kHeadDim >= 128 && !Traits::kTf32;
+}
+
 // The kernel's parameter: the call's arguments (kernel_traits.h) and the per-call tuning that only the consumers
 // read (forward_launch.h sets it from the environment).
 template <class Traits>
 struct ForwardKernelArgs : ForwardArgs<Traits> {
-  float rescale_slack_log2 = 0.0f;  // online_softmax.h step: 0 rescales O whenever a row's maximum rises
+  float rescale_slack_log2 = 0.0f;  // online_softmax.h step, where lazy_rescale<Traits>(): 0 is the running maximum
 };
 
 // What a consumer warpgroup carries from one of its CTA's tiles to the next.
@@ -397,7 +408,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   Tensor partial = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});
   Tensor coords = sm80_view(thr_mma_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(sm80::rows_cols(coords.layout())))::value;
-  OnlineSoftmax<kRows> softmax;
+  OnlineSoftmax<kRows, lazy_rescale<Traits>()> softmax;
   softmax.reset();
   const float to_log2 = sm80::ScoreTile<transforms_scores(kVariant)>::to_log2(p);
 

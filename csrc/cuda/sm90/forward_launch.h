@@ -226,19 +226,19 @@ inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& 
   return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", wide_keys_by_default(kernel_head_dim, p.seqlen_k), wide_keys);
 }
 
-// The lazy rescale of 16-bit forwards (online_softmax.h step): a row keeps its reference maximum until a key tile's
-// maximum exceeds it by more than this (log2 units), so its probabilities stay below 2^8 = 256, in range for bf16,
-// float16 and float32 sums, and O is rescaled only on the rare tiles that raise a row's maximum that much. Float32
-// kernels (TF32, split TF32) keep the running maximum: their exactness was measured with it.
+// The lazy rescale (forward_kernel.h lazy_rescale, online_softmax.h step): a row keeps its reference maximum until a
+// key tile's maximum exceeds it by more than this (log2 units), so its probabilities stay below 2^8 = 256, in range
+// for bf16, float16 and float32 sums, and O is rescaled only on the rare tiles that raise a row's maximum that much.
 constexpr float kLazyRescaleSlackLog2 = 8.0f;
 
-// JAX_FLASH_SM90_LAZY_RESCALE (read at every call): unset, "" "auto" or "1" rescales lazily where the kernel's
-// element is 16-bit, "0" never (the running maximum, as before).
+// JAX_FLASH_SM90_LAZY_RESCALE (read at every call), for the kernels that have the lazy rescale (16-bit, d >= 128):
+// unset, "", "auto" or "1" keeps a row's reference within the slack above, "0" uses the running maximum (still
+// skipping the rescale where no row of a warp raised its maximum). Other kernels accept the switch and ignore it.
 template <class Traits>
 std::string rescale_slack_log2(float* slack_log2) {
   bool lazy = false;
   if (std::string err = on_off_auto_switch("JAX_FLASH_SM90_LAZY_RESCALE", true, &lazy); !err.empty()) return err;
-  *slack_log2 = lazy && !Traits::kTf32 ? kLazyRescaleSlackLog2 : 0.0f;
+  *slack_log2 = lazy && lazy_rescale<Traits>() ? kLazyRescaleSlackLog2 : 0.0f;
   return {};
 }
 

@@ -2,9 +2,9 @@
 // tile n while its P V GEMM of tile n-1 still runs: step() turns a score tile into unnormalised probabilities
 // and returns each row's correction factor; rescale() applies those factors to O once that GEMM has retired.
 // Same arithmetic as sm80::OnlineSoftmax (rows whose scores are all -inf so far use 0 as their reference), except
-// that a row may keep a reference below its running maximum (step's slack_log2): the reference only has to be one
-// value per row, used alike by every tile's probabilities, the row sum and the lse; the true maximum merely keeps
-// them in range. Keeping it saves the rescale of O, which at d=64 is a large share of a key tile's instructions.
+// that with kLazy a row may keep a reference below its running maximum (step's slack_log2): the reference only has
+// to be one value per row, used alike by every tile's probabilities, the row sum and the lse; the true maximum
+// merely keeps them in range. A warp whose rows all kept theirs skips the rescale of O.
 #pragma once
 
 #include <cmath>
@@ -17,14 +17,15 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <int kRows>
+template <int kRows, bool kLazy = false>
 struct OnlineSoftmax : sm80::SoftmaxRows<kRows> {  // reset() and finalize() are sm80's
   using sm80::SoftmaxRows<kRows>::row_max;
   using sm80::SoftmaxRows<kRows>::row_sum;
 
-  // scores: rows x cols view, overwritten with exp2((s - reference) * to_log2). A row whose new maximum exceeds
-  // its reference (row_max) by at most slack_log2 (in log2 units, >= 0; to_log2 > 0) keeps that reference, so its
-  // correction is exactly 1 and its probabilities reach up to 2^slack_log2. slack_log2 = 0: the running maximum.
+  // scores: rows x cols view, overwritten with exp2((s - reference) * to_log2). With kLazy, a row whose new maximum
+  // exceeds its reference (row_max) by at most slack_log2 (in log2 units, >= 0; to_log2 > 0) keeps that reference,
+  // so its correction is exactly 1 and its probabilities reach up to 2^slack_log2. Otherwise (and with slack_log2
+  // = 0) the reference is the running maximum.
   template <class Scores>
   __device__ __forceinline__ void step(Scores&& scores, float to_log2, float slack_log2, float (&correction)[kRows]) {
     static_assert(decltype(cute::size<0>(scores))::value == kRows);
@@ -34,7 +35,8 @@ struct OnlineSoftmax : sm80::SoftmaxRows<kRows> {  // reset() and finalize() are
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(scores); ++c) tile_max = fmaxf(tile_max, scores(r, c));
       tile_max = sm80::quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
-      const bool keep = row_max[r] != -INFINITY && (tile_max - row_max[r]) * to_log2 <= slack_log2;
+      bool keep = false;
+      if constexpr (kLazy) keep = row_max[r] != -INFINITY && (tile_max - row_max[r]) * to_log2 <= slack_log2;
       if (keep) tile_max = row_max[r];
       const float reference = tile_max == -INFINITY ? 0.0f : tile_max;
       correction[r] = keep ? 1.0f : sm80::fast_exp2((row_max[r] - reference) * to_log2);
@@ -51,15 +53,17 @@ struct OnlineSoftmax : sm80::SoftmaxRows<kRows> {  // reset() and finalize() are
     }
   }
 
-  // Called by every lane of the warp (the vote below).
+  // With kLazy, called by every lane of the warp (the vote below).
   template <class Out>
   __device__ __forceinline__ void rescale(Out&& out, const float (&correction)[kRows]) {
-    bool unchanged = true;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) unchanged &= correction[r] == 1.0f;
-    // A warp whose rows all kept their reference skips the multiplies; the vote makes the branch warp-uniform (a
-    // per-thread condition would leave the multiplies predicated, costing their issue slots all the same).
-    if (__all_sync(0xffffffffu, unchanged)) return;
+    if constexpr (kLazy) {
+      bool unchanged = true;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) unchanged &= correction[r] == 1.0f;
+      // A warp whose rows all kept their reference skips the multiplies; the vote makes the branch warp-uniform (a
+      // per-thread condition would leave the multiplies predicated, costing their issue slots all the same).
+      if (__all_sync(0xffffffffu, unchanged)) return;
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
