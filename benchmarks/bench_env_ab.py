@@ -2,9 +2,9 @@
 
 The C++ launchers read their tuning switches (JAX_FLASH_SM90_PERSISTENT, JAX_FLASH_SM90_CAUSAL_BAND_MIB, ...) at
 every call, so one process can time every value of a switch on the same inputs, interleaved over --rounds rounds
-(the best round of each value is kept), which takes process-to-process noise out of the comparison. Each value gets
-a freshly jitted function, so no executable or captured command buffer carries a kernel choice over from another
-value. Shapes and FLOPs as benchmarks/bench_attention.py (16k tokens per batch, heads * head_dim = 2048, bf16).
+(the best round of each value is kept, and of cuDNN, which takes a turn in every round), which takes
+process-to-process noise out of the comparison. Each value gets a freshly jitted function, so no executable or
+captured command buffer carries a kernel choice over from another value. Shapes and FLOPs as benchmarks/bench_attention.py (16k tokens per batch, heads * head_dim = 2048, bf16).
 
 Run:  python benchmarks/bench_env_ab.py --env JAX_FLASH_SM90_CAUSAL_BAND_MIB --values 0 auto 4 64 \
           [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--causal yes|no|both] [--backward] [--tag TAG]
@@ -65,14 +65,17 @@ def main() -> None:
             for causal in causal_values:
                 flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
                 cell = {"head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads, "causal": causal}
+                # cuDNN takes a turn in every round too and keeps its best round, like each value: timed once, it
+                # was held to one draw of the clock-speed noise against the values' best of several.
                 best: dict[str, dict] = {}
                 for _ in range(args.rounds):
-                    for value in args.values:
-                        with environment({args.env: value}):
-                            t = time_cell(attention_fn("jax_flash_sm90", causal), (q, k, v), d_o, flops, args.reps,
+                    for value in [*args.values, "cudnn"]:
+                        with environment({args.env: None if value == "cudnn" else value}):
+                            implementation = "cudnn" if value == "cudnn" else "jax_flash_sm90"
+                            t = time_cell(attention_fn(implementation, causal), (q, k, v), d_o, flops, args.reps,
                                           args.backward)
                         best[value] = {m: max(t[m], best.get(value, {}).get(m, 0.0)) for m in t}
-                cudnn = time_cell(attention_fn("cudnn", causal), (q, k, v), d_o, flops, args.reps, args.backward)
+                cudnn = best.pop("cudnn")
                 rows.append({**cell, "values": best, "cudnn": cudnn})
                 line = " ".join(f"{value}={best[value]['fwd_tflops']:6.1f}" for value in args.values)
                 ratio = best[args.values[-1]]["fwd_tflops"] / best[args.values[0]]["fwd_tflops"]
