@@ -332,8 +332,8 @@ __device__ __forceinline__ int opaque(int x) {
 // kLazy): 16-bit kernels with a head dim of 128 or more, whose O (64+ registers per consumer thread) makes the
 // skipped multiplies worth the vote and branch. On the H100 (bench_env_ab.py with the slack at 8 against 0, and
 // bench_attention.py grids before and after; NOTES, forty-sixth session) it ran d=256 2-8% and d=128 0-5% faster
-// (d=128 causal 16k 2-4% slower in the A/Bs, faster in the grids), but the d=64 two-per-SM tile 6-7% slower at
-// 1k-2k non-causal keys and the three-per-SM tile 1-3% slower at 1k causal: their O is 32 registers.
+// (d=128 causal 16k: -4.2%, -2.3% and +0.4% in three A/Bs, faster in the grids), but the d=64 two-per-SM tile 6-7%
+// slower at 1k-2k non-causal keys and the three-per-SM tile 1-3% slower at 1k causal: their O is 32 registers.
 template <class Traits>
 constexpr bool lazy_rescale() {
   return Traits::kHeadDim >= 128 && !Traits::kTf32;
