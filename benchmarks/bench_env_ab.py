@@ -4,7 +4,8 @@ The C++ launchers read their tuning switches (JAX_FLASH_SM90_PERSISTENT, JAX_FLA
 every call, so one process can time every value of a switch on the same inputs, interleaved over --rounds rounds
 (the best round of each value is kept, and of cuDNN, which takes a turn in every round), which takes
 process-to-process noise out of the comparison. Each value gets a freshly jitted function, so no executable or
-captured command buffer carries a kernel choice over from another value. Shapes and FLOPs as benchmarks/bench_attention.py (16k tokens per batch, heads * head_dim = 2048, bf16).
+captured command buffer carries a kernel choice over from another value. Shapes and FLOPs as
+benchmarks/bench_attention.py (16k tokens per batch, heads * head_dim = 2048, bf16).
 
 Run:  python benchmarks/bench_env_ab.py --env JAX_FLASH_SM90_CAUSAL_BAND_MIB --values 0 auto 4 64 \
           [--head-dims 64 128 256] [--seqlens 512 1024 ...] [--causal yes|no|both] [--backward] [--tag TAG]

@@ -73,7 +73,8 @@ def use_forward_kernel(monkeypatch, kernel: str, head_dim: int):
 
 
 def check_forward_on_gpu(case: Case, inputs=None, **kwargs):
-    """The GPU forward of case.inputs() (or of `inputs`, q k v in the case's dtype) within the accuracy bound."""
+    """The GPU forward of case.inputs() (or of `inputs`, q k v in the case's dtype) within the accuracy bound;
+    returns the GPU's output and lse."""
     q, k, v = case.inputs() if inputs is None else inputs
     kwargs_gpu = {n: jax.device_put(a, GPUS[0]) if isinstance(a, jax.Array) else a for n, a in kwargs.items()}
     _poison_gpu_memory()
@@ -86,6 +87,7 @@ def check_forward_on_gpu(case: Case, inputs=None, **kwargs):
     # Agreement with the CPU specification: as close to it as the bound allows either to be from the truth.
     assert_within_bound("o vs CPU", o, o_xla, np.asarray(o_cpu.astype(jnp.float32)), case.dtype)
     assert max_error(lse, lse_cpu) <= 1e-3 * max(1.0, float(np.nanmax(np.abs(np.where(np.isinf(lse_ref), 0, lse_ref)))))
+    return o, lse
 
 
 @pytest.mark.parametrize("kernel", FORWARD_KERNELS)
@@ -266,8 +268,7 @@ def test_sm90_lazy_rescale(head_dim, causal, monkeypatch):
     outputs = {}
     for setting in ("auto", "0"):
         monkeypatch.setenv("JAX_FLASH_SM90_LAZY_RESCALE", setting)
-        check_forward_on_gpu(case, inputs=inputs, causal=causal)
-        o, lse = jax_flash.attention(q, k, v, causal=causal, return_lse=True)
+        o, lse = check_forward_on_gpu(case, inputs=inputs, causal=causal)
         outputs[setting] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
     if head_dim == 64:
         np.testing.assert_array_equal(outputs["auto"][0], outputs["0"][0])

@@ -11,9 +11,8 @@ kernel's duration is close to its time in a normal run:
 
 The program calls the jitted backward (the vjp of attention, as benchmarks/bench_attention.py times it, same
 shapes: 16k tokens per batch, heads * head_dim = 2048, bf16) four times; with --forward, the jitted forward four
-times instead. --summarize takes the kernels of the last
-call (the tail that the launches before it repeat: the first call also compiles and autotunes) and prints each
-kernel's duration and share, and their sum.
+times instead. --summarize takes the kernels of the last call (the tail that the launches before it repeat: the
+first call also compiles and autotunes) and prints each kernel's duration and share, and their sum.
 """
 
 import argparse
