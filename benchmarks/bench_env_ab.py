@@ -68,9 +68,12 @@ def main() -> None:
                 cell = {"head_dim": head_dim, "seqlen": seqlen, "batch": batch, "heads": heads, "causal": causal}
                 # cuDNN takes a turn in every round too and keeps its best round, like each value: timed once, it
                 # was held to one draw of the clock-speed noise against the values' best of several.
+                # The turns go in reverse order on odd rounds (as bench_attention.py's), so no value always follows
+                # the same one.
                 best: dict[str, dict] = {}
-                for _ in range(args.rounds):
-                    for value in [*args.values, "cudnn"]:
+                for round_index in range(args.rounds):
+                    turns = [*args.values, "cudnn"]
+                    for value in turns[::-1] if round_index % 2 else turns:
                         with environment({args.env: None if value == "cudnn" else value}):
                             implementation = "cudnn" if value == "cudnn" else "jax_flash_sm90"
                             t = time_cell(attention_fn(implementation, causal), (q, k, v), d_o, flops, args.reps,

@@ -35,6 +35,8 @@
 #                KERNEL_TIMES_FORWARD=1 times the forward instead
 #   ncu_vs_cudnn Nsight Compute sections of the main backward kernel, jax_flash's and cuDNN's, case $NCU_VS_CASE
 #                (default 64:8192); NCU_VS_FORWARD=1 profiles the forward kernels instead
+#   ncu_ops      executed instructions per SASS opcode of the main forward (NCU_VS_FORWARD=1) or backward kernel,
+#                jax_flash's against cuDNN's, case $NCU_VS_CASE (ncu_opcode_mix.py)
 #   ncu_src      per-instruction stall samples of one kernel launch (NCU_SRC_APP, NCU_SRC_KERNEL, NCU_SRC_SKIP,
 #                NCU_BWD_FAMILY)
 #   probe_features  feature_forward_probe.py: plain / padding-mask / softcap forwards through JAX, TFLOP/s
@@ -356,6 +358,24 @@ ncu_vs_cudnn() {
   done
 }
 
+# Executed instructions per SASS opcode of the same kernels as ncu_vs_cudnn (one launch each, SourceCounters): which
+# kinds of instruction make one kernel longer than the other.
+ncu_ops() {
+  local impl d s c kernels="dkdv_kernel|flash_bprop" pass=() mix=()
+  IFS=: read -r d s c <<<"${NCU_VS_CASE:-64:8192}"
+  [ "${NCU_VS_FORWARD:-0}" = 1 ] && kernels="forward_kernel|flash_fprop" pass=(--forward)
+  for impl in jax_flash_sm90 cudnn; do
+    (cd /tmp && ncu --kernel-name "regex:$kernels" --launch-skip 3 --launch-count 1 --section SourceCounters \
+      -f -o "$out/ncu_ops_$impl" python3 "$repo/csrc/cuda/tests/attention_kernel_times.py" --impl $impl \
+      --head-dim "$d" --seqlen "$s" ${c:+--causal} "${pass[@]}") > "$out/ncu_ops_${impl}.log" 2>&1 || return 1
+    ncu --import "$out/ncu_ops_$impl.ncu-rep" --page source --csv --print-source sass > "$out/ncu_ops_$impl.csv" \
+      || return 1
+    rm -f "$out/ncu_ops_$impl.ncu-rep"  # the CSV keeps what is needed; a report is megabytes
+    mix+=("$impl=$out/ncu_ops_$impl.csv")
+  done
+  python3 "$repo/csrc/cuda/tests/ncu_opcode_mix.py" "${mix[@]}" | tee "$out/ncu_ops.txt"
+}
+
 # Which kernels one jitted backward (KERNEL_TIMES_FORWARD=1: forward) runs and how long each takes, jax_flash against
 # cuDNN (attention_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
 kernel_times() {
@@ -470,6 +490,7 @@ run_stage() {
     ncu_src) stage ncu_src 240 ncu_src ;;
     kernel_times) stage kernel_times 180 kernel_times ;;
     ncu_vs_cudnn) stage ncu_vs_cudnn 150 ncu_vs_cudnn ;;
+    ncu_ops) stage ncu_ops 180 ncu_ops ;;
     ncu_features) stage ncu_features 180 ncu_features ;;
     ncu_forms) stage ncu_forms 150 ncu_forms ;;
     ncu_decode) stage ncu_decode 150 ncu_decode ;;
