@@ -1,22 +1,11 @@
 """CPU test of csrc/cuda/tests/attention_kernel_times.py's --summarize: it reads Nsight Compute's CSV (any duration
 unit) and keeps the kernels of the last call, the tail that the launches before it repeat twice."""
 
-import importlib.util
-import os
-
 import pytest
+from tool_scripts import load_tool
 
-TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda", "tests",
-                    "attention_kernel_times.py")
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("attention_kernel_times", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_csv(path, launches):
@@ -31,7 +20,7 @@ def test_summarize_keeps_the_last_call(tmp_path, capsys):
     # kernel sequence repeats a name (main) so that a tail shorter than the call would not repeat three times.
     call = [("pre", "us", "10.5"), ("main", "ms", "1.25"), ("main", "us", "30"), ("convert", "ns", "2,000")]
     write_csv(tmp_path / "t.csv", [("autotune", "us", "99")] * 3 + call * 3)
-    load_tool().summarize(str(tmp_path / "t.csv"))
+    load_tool("attention_kernel_times.py").summarize(str(tmp_path / "t.csv"))
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "4 kernels per call, 1292.5 us in all"
     assert [line.split()[-1] for line in out.splitlines()[1:]] == ["pre", "main", "main", "convert"]
@@ -41,4 +30,4 @@ def test_summarize_keeps_the_last_call(tmp_path, capsys):
 def test_summarize_refuses_a_table_without_repeats(tmp_path):
     write_csv(tmp_path / "t.csv", [("a", "us", "1"), ("b", "us", "2"), ("c", "us", "3")])
     with pytest.raises(SystemExit, match="no repeating tail"):
-        load_tool().summarize(str(tmp_path / "t.csv"))
+        load_tool("attention_kernel_times.py").summarize(str(tmp_path / "t.csv"))

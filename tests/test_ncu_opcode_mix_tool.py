@@ -2,22 +2,11 @@
 source-page CSV (predicates and modifiers dropped, thousands separators read), and the table ranked by the
 largest difference from the first kernel."""
 
-import importlib.util
-import os
-
-TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda", "tests",
-                    "ncu_opcode_mix.py")
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("ncu_opcode_mix", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tool_scripts import load_tool
 
 
 def test_opcode_counts_and_ranking(tmp_path, capsys, monkeypatch):
-    tool = load_tool()
+    tool = load_tool("ncu_opcode_mix.py")
     ours = tmp_path / "ours.csv"
     ours.write_text('"Kernel Name","forward_kernel"\n'
                     '"# Address","Source","Instructions Executed","Warp Stall Sampling (All Samples)"\n'
