@@ -344,10 +344,18 @@ ncu_src() {
 # dK/dV kernel and cuDNN's flash_bprop kernel, the fourth call's launch, for the case $NCU_VS_CASE
 # ("head_dim:seqlen[:causal]", default 64:8192; attention_kernel_times.py's shapes). NCU_VS_FORWARD=1: the forward
 # kernels of one jitted forward instead (jax_flash's forward_kernel, cuDNN's flash_fprop).
-ncu_vs_cudnn() {
-  local impl d s c kernels="dkdv_kernel|flash_bprop" pass=()
+# ncu_vs_cudnn's and ncu_ops' case, into the caller's locals d, s, c (head dim, seqlen, "causal" or empty), kernels
+# (the kernel-name regex: backward, or forward with NCU_VS_FORWARD=1) and pass (the tool's --forward, or nothing).
+read_ncu_vs_case() {
+  kernels="dkdv_kernel|flash_bprop" pass=()
   IFS=: read -r d s c <<<"${NCU_VS_CASE:-64:8192}"
   [ "${NCU_VS_FORWARD:-0}" = 1 ] && kernels="forward_kernel|flash_fprop" pass=(--forward)
+  return 0
+}
+
+ncu_vs_cudnn() {
+  local impl d s c kernels pass
+  read_ncu_vs_case
   for impl in jax_flash_sm90 cudnn; do
     echo "== $impl d=$d seqlen=$s ${c:-non-causal} ${pass[*]}"
     (cd /tmp && ncu --kernel-name "regex:$kernels" --launch-skip 3 --launch-count 1 \
@@ -361,9 +369,8 @@ ncu_vs_cudnn() {
 # Executed instructions per SASS opcode of the same kernels as ncu_vs_cudnn (one launch each, SourceCounters): which
 # kinds of instruction make one kernel longer than the other.
 ncu_ops() {
-  local impl d s c kernels="dkdv_kernel|flash_bprop" pass=() mix=()
-  IFS=: read -r d s c <<<"${NCU_VS_CASE:-64:8192}"
-  [ "${NCU_VS_FORWARD:-0}" = 1 ] && kernels="forward_kernel|flash_fprop" pass=(--forward)
+  local impl d s c kernels pass mix=()
+  read_ncu_vs_case
   for impl in jax_flash_sm90 cudnn; do
     (cd /tmp && ncu --kernel-name "regex:$kernels" --launch-skip 3 --launch-count 1 --section SourceCounters \
       -f -o "$out/ncu_ops_$impl" python3 "$repo/csrc/cuda/tests/attention_kernel_times.py" --impl $impl \

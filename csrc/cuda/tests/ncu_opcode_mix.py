@@ -11,15 +11,12 @@ largest difference between the first kernel and the others, so the opcodes that 
 from __future__ import annotations
 
 import argparse
-import csv
+import os
+import sys
 from collections import Counter
 
-
-def number(text: str) -> float:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return 0.0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_src_summary import number, read_sass_page  # noqa: E402
 
 
 def opcode(source: str) -> str:
@@ -28,16 +25,12 @@ def opcode(source: str) -> str:
 
 
 def opcode_counts(path: str) -> Counter:
-    with open(path, newline="") as handle:
-        rows = [row for row in csv.reader(handle) if row]
-    header_at = next(i for i, row in enumerate(rows) if any("Source" in cell for cell in row))
-    header, body = rows[header_at], rows[header_at + 1:]
-    source = next(i for i, name in enumerate(header) if "Source" in name)
+    header, body, source = read_sass_page(path)
     executed = next(i for i, name in enumerate(header) if name.startswith("Instructions Executed"))
     counts: Counter = Counter()
     for row in body:
         if len(row) > max(source, executed):
-            counts[opcode(row[source])] += number(row[executed])
+            counts[opcode(row[source])] += number(row[executed]) or 0.0
     return counts
 
 

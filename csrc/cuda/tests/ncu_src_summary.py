@@ -18,12 +18,17 @@ def number(text: str) -> float | None:
         return None
 
 
-def main(path: str, count: int) -> None:
+def read_sass_page(path: str) -> tuple[list[str], list[list[str]], int]:
+    """A source-page CSV's header, its instruction rows and the index of its "Source" column (the SASS text)."""
     with open(path, newline="") as handle:
         rows = [row for row in csv.reader(handle) if row]
     header_at = next(i for i, row in enumerate(rows) if any("Source" in cell for cell in row))
-    header, body = rows[header_at], rows[header_at + 1:]
-    source = next(i for i, name in enumerate(header) if "Source" in name)
+    header = rows[header_at]
+    return header, rows[header_at + 1:], next(i for i, name in enumerate(header) if "Source" in name)
+
+
+def main(path: str, count: int) -> None:
+    header, body, source = read_sass_page(path)
     address = next((i for i, name in enumerate(header) if "Address" in name), None)
     samples = next(i for i, name in enumerate(header) if "Warp Stall Sampling (All" in name)
     reasons = [i for i, name in enumerate(header)
