@@ -590,15 +590,15 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   if constexpr (kTilePartials) add_partial_sums(acc_o, partial);
 
   // Epilogue: normalise; stage this warpgroup's rows of O in its own rows of the O buffer (or of Q's buffer, whose
-  // Q K^T GEMMs have retired; the other consumer reads only its own rows); 16-byte row stores; lse from one lane
-  // per quad.
+  // Q K^T GEMMs have retired; the other consumer reads only its own rows); a TMA store of those rows (16-byte row
+  // stores where O is staged in Q's buffer, or is float32); lse from one lane per quad.
   float lse[kRows];
   softmax.finalize(sm80::as_rows_cols(sm80_view(acc_o)), to_log2, lse);
   using Out = typename Traits::OutElement;
   Tensor out_frag = sm80::converted<Out>(acc_o);
   Tensor sO = [&] {
     if constexpr (Traits::kOwnOutputBuffer) {
-      return make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutQ{});
+      return make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
     } else {
       return make_tensor(make_smem_ptr(reinterpret_cast<Out*>(smem.q.data())), typename Traits::SmemLayoutQ{});
     }
@@ -619,16 +619,19 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     copy(out_frag, mma_o.get_thread_slice(thread).partition_C(sO));
   }
   if constexpr (Traits::kTmaStoreO) {
-    // One TMA store of the tile (it clips rows past seqlen_q and columns past head_dim), issued by one thread once
-    // every thread's stmatrix stores are visible to the async proxy.
+    // One TMA store of this consumer's 64 rows (it clips rows past seqlen_q and columns past head_dim), issued by
+    // one thread once every thread's stmatrix stores are visible to the async proxy; none where they all lie past
+    // seqlen_q.
     fence_stores_for_async_proxy();
     named_barrier_sync(kEpilogueBarrier + group, 128);
-    if (thread % 128 == 0) {
+    if (thread % 128 == 0 && group * 64 < rb.rows_in_bounds) {
       Tensor mO = tma_o.get_tma_tensor(query_tma_shape(p))(_, _, rb.head, rb.batch);
-      Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{},
-                             make_coord(static_cast<int>(rb.m0 / kBlockM), 0));
+      Tensor gO = local_tile(mO, Shape<_64, Int<Traits::kHeadDim>>{},
+                             make_coord(static_cast<int>(rb.m0 / 64) + group, 0));
+      Tensor sO_rows = make_tensor(make_smem_ptr(smem.o.data() + group * 64 * Traits::kHeadDim),
+                                   typename Traits::SmemLayoutORows{});
       auto tma_o_slice = tma_o.get_slice(0);
-      copy(tma_o, tma_o_slice.partition_S(sO), tma_o_slice.partition_D(gO));
+      copy(tma_o, tma_o_slice.partition_S(sO_rows), tma_o_slice.partition_D(gO));
       bulk_commit();
     }
   } else {

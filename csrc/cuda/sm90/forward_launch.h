@@ -71,8 +71,8 @@ template <class Traits>
 typename Traits::TmaO make_tma_o(const AttentionParams& p) {
   using namespace cute;
   if constexpr (Traits::kTmaStoreO) {
-    return make_tma_copy(SM90_TMA_STORE{}, bshd_tensor<Traits>(p.o, query_tma_shape(p)), typename Traits::SmemLayoutQ{},
-                         Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+    return make_tma_copy(SM90_TMA_STORE{}, bshd_tensor<Traits>(p.o, query_tma_shape(p)),
+                         typename Traits::SmemLayoutORows{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   } else {
     return {};
   }

@@ -208,7 +208,13 @@ struct ForwardTraits {
       GroupLayout{}));
 
   using SmemLayoutQ = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
-                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // also stages O
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // may also stage O
+  // O's own staging buffer (kOwnOutputBuffer below): each consumer's 64 rows one contiguous (64, head_dim) tile,
+  // SmemLayoutORows, the box of that consumer's TMA store of O.
+  using SmemLayoutORows = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                                 Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutOGroups = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
+                                                   Shape<_64, Int<kHeadDim>, Int<kConsumerGroups>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(k_major_smem_atom<Element, kHeadDim>(),
                                               Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V^T: the same bytes as [head_dim, block_n, stage], i.e. an MN-major B operand for P V; TF32 loads V^T itself
@@ -238,8 +244,18 @@ struct ForwardTraits {
   static constexpr bool kOwnOutputBuffer =
       (1 + kOperandParts) * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit;  // 1024: barriers, alignment
   static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
+  static_assert(cosize_v<SmemLayoutOGroups> == cosize_v<SmemLayoutQ>);
+  // O's staging tile as the whole MMA's (kBlockM, head_dim), what the consumers' stmatrix stores write: row
+  // 64 g + m of column k is SmemLayoutOGroups' (m, k, g) where the TMA stores read it (kTmaStoreO below), else Q's
+  // layout (in Q's buffer, or TF32's own buffer, which its 16-byte stores read).
+  using SmemLayoutO = std::conditional_t<
+      kOwnOutputBuffer && !kTf32,
+      decltype(composition(SmemLayoutOGroups{},
+                           Layout<Shape<Shape<_64, Int<kConsumerGroups>>, Int<kHeadDim>>,
+                                  Stride<Stride<_1, Int<64 * kHeadDim>>, _64>>{})),
+      SmemLayoutQ>;
   struct OutputBuffer {
-    cute::array_aligned<OutElement, cosize_v<SmemLayoutQ>, 1024> o;
+    cute::array_aligned<OutElement, cosize_v<SmemLayoutOGroups>, 1024> o;
   };
   struct NoOutputBuffer {};
   // Split TF32: `low`, the lo parts under the hi parts' names (split_tf32_mma.h low_parts(smem), as the backward's
@@ -269,12 +285,13 @@ struct ForwardTraits {
 
   using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
   using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
-  // O written back by one TMA store per tile where the tile has one consumer (its 64-row O buffer is the store's
-  // box: the d=64 two/three-per-SM and short-rows tiles, whose tiles are short, so the epilogue's 16-byte stores and
-  // their 64-bit addresses were a noticeable share of each tile's instructions). The store reads O's buffer
-  // asynchronously; the next tile waits for that read before it stages O there again.
-  static constexpr bool kTmaStoreO = kConsumerGroups == 1 && kOwnOutputBuffer && !kTf32;
-  using TmaO = BshdTma<SM90_TMA_STORE, Element, SmemLayoutQ, kBlockM, kHeadDim>;
+  // O written back by TMA stores, one per consumer and tile (its 64 rows of O's buffer are the box), where O has a
+  // buffer of its own: with 16-byte stores instead, their 64-bit addresses were a noticeable share of each short
+  // tile's instructions (d=64 two/three-per-SM tiles), and a persistent CTA's consumers could not go on to the next
+  // tile before their stores were issued. The store reads O's buffer asynchronously; the consumer's next tile waits
+  // for that read before it stages O there again.
+  static constexpr bool kTmaStoreO = kOwnOutputBuffer && !kTf32;
+  using TmaO = BshdTma<SM90_TMA_STORE, Element, SmemLayoutORows, 64, kHeadDim>;
   // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
   using TmaV = std::conditional_t<
       kTf32, BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutVt{})), kHeadDim, kBlockN>, TmaKV>;

@@ -165,9 +165,20 @@ void forward(const char* rows) {
   using Tr = ForwardTraits<D, Elem, kRows>;
   char name[128];
   typename Tr::TiledMmaO mma_o;
-  Tensor sO = make_tensor(make_smem_ptr(arena), typename Tr::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(arena), typename Tr::SmemLayoutO{});
   std::snprintf(name, sizeof name, "forward d=%d %s (block_m %d) O staging", D, rows, Tr::kBlockM);
   check(name, mma_o, sO);
+  if constexpr (Tr::kTmaStoreO) {
+    // Each consumer's TMA store of O reads its 64 rows as SmemLayoutORows from 64 x D elements per consumer on.
+    typename Tr::SmemLayoutO whole;
+    typename Tr::SmemLayoutORows rows64;
+    int mismatches = 0;
+    for (int r = 0; r < Tr::kBlockM; ++r) {
+      for (int k = 0; k < D; ++k) mismatches += whole(r, k) != r / 64 * 64 * D + rows64(r % 64, k);
+    }
+    std::printf("%s: O buffer against the per-consumer store tiles: %d mismatches\n", name, mismatches);
+    failures += mismatches != 0;
+  }
 }
 
 int main() {
