@@ -286,10 +286,10 @@ struct ForwardTraits {
   using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
   using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
   // O written back by TMA stores, one per consumer and tile (its 64 rows of O's buffer are the box), where O has a
-  // buffer of its own: with 16-byte stores instead, their 64-bit addresses were a noticeable share of each short
-  // tile's instructions (d=64 two/three-per-SM tiles), and a persistent CTA's consumers could not go on to the next
-  // tile before their stores were issued. The store reads O's buffer asynchronously; the consumer's next tile waits
-  // for that read before it stages O there again.
+  // buffer of its own. With 16-byte stores instead, their 64-bit addresses were a noticeable share of each short
+  // tile's instructions (d=64 two/three-per-SM tiles), and at d=128 the kernel took 1.2% longer at 2k-4k keys (H100,
+  // Nsight Compute; NOTES, forty-eighth session), where each tile's fixed costs are what it loses to cuDNN. The store
+  // reads O's buffer asynchronously; the consumer's next tile waits for that read before it stages O there again.
   static constexpr bool kTmaStoreO = kOwnOutputBuffer && !kTf32;
   using TmaO = BshdTma<SM90_TMA_STORE, Element, SmemLayoutORows, 64, kHeadDim>;
   // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
