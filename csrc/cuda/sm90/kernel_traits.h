@@ -245,11 +245,17 @@ struct ForwardTraits {
       (1 + kOperandParts) * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit;  // 1024: barriers, alignment
   static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
   static_assert(cosize_v<SmemLayoutOGroups> == cosize_v<SmemLayoutQ>);
+  // O written back by TMA stores, one per consumer and tile (its 64 rows of O's buffer are the box), where O has a
+  // buffer of its own. With 16-byte stores instead, their 64-bit addresses were a noticeable share of each short
+  // tile's instructions (d=64 two/three-per-SM tiles), and at d=128 the kernel took 1.2% longer at 2k-4k keys (H100,
+  // Nsight Compute; NOTES, forty-eighth session), where each tile's fixed costs are what it loses to cuDNN. The store
+  // reads O's buffer asynchronously; the consumer's next tile waits for that read before it stages O there again.
+  static constexpr bool kTmaStoreO = kOwnOutputBuffer && !kTf32;
   // O's staging tile as the whole MMA's (kBlockM, head_dim), what the consumers' stmatrix stores write: row
-  // 64 g + m of column k is SmemLayoutOGroups' (m, k, g) where the TMA stores read it (kTmaStoreO below), else Q's
-  // layout (in Q's buffer, or TF32's own buffer, which its 16-byte stores read).
+  // 64 g + m of column k is SmemLayoutOGroups' (m, k, g) where the TMA stores read it, else Q's layout (in Q's
+  // buffer, or TF32's own buffer, which its 16-byte stores read).
   using SmemLayoutO = std::conditional_t<
-      kOwnOutputBuffer && !kTf32,
+      kTmaStoreO,
       decltype(composition(SmemLayoutOGroups{},
                            Layout<Shape<Shape<_64, Int<kConsumerGroups>>, Int<kHeadDim>>,
                                   Stride<Stride<_1, Int<64 * kHeadDim>>, _64>>{})),
@@ -285,12 +291,6 @@ struct ForwardTraits {
 
   using TmaQ = BshdTma<SM90_TMA_LOAD, Element, SmemLayoutQ, kBlockM, kHeadDim>;
   using TmaKV = BshdTma<SM90_TMA_LOAD, Element, decltype(take<0, 2>(SmemLayoutKV{})), kBlockN, kHeadDim>;
-  // O written back by TMA stores, one per consumer and tile (its 64 rows of O's buffer are the box), where O has a
-  // buffer of its own. With 16-byte stores instead, their 64-bit addresses were a noticeable share of each short
-  // tile's instructions (d=64 two/three-per-SM tiles), and at d=128 the kernel took 1.2% longer at 2k-4k keys (H100,
-  // Nsight Compute; NOTES, forty-eighth session), where each tile's fixed costs are what it loses to cuDNN. The store
-  // reads O's buffer asynchronously; the consumer's next tile waits for that read before it stages O there again.
-  static constexpr bool kTmaStoreO = kOwnOutputBuffer && !kTf32;
   using TmaO = BshdTma<SM90_TMA_STORE, Element, SmemLayoutORows, 64, kHeadDim>;
   // TF32: V^T from the workspace seen as (head_dim, keys, heads_kv, batch), keys contiguous; otherwise V as K.
   using TmaV = std::conditional_t<
