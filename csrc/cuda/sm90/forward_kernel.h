@@ -24,17 +24,19 @@
 //    and drains exactly one stage of each pipeline per key tile of its walk (next_key_tile: all of key_tiles, or in
 //    the dense form those the boolean mask's block summary does not hide), and producer and consumers walk
 //    the same list, so the two stay in step as within one tile.
-//  - q_full (transaction mbarrier, 1 arrival + the Q bytes): phase r completes when round r's Q has landed; the
-//    consumers wait for parity r & 1.
-//  - q_empty (mbarrier, one arrival per consumer thread): phase r completes when no consumer reads or writes round
-//    r's Q buffer any more (after its last Q K^T retired, or with O staged in Q, after the epilogue read O back and
-//    fenced its generic-proxy accesses against the next TMA write). The producer waits for parity (r - 1) & 1
-//    before it issues round r's Q (r >= 1).
-//    Neither barrier can run two phases ahead of its waiter: Q of round r + 1 needs q_empty of round r, which
+//  - Q has B = Traits::kQBuffers buffers (1 or 2); round r uses buffer r % B, each buffer with its own q_full and
+//    q_empty, so a buffer's k-th phase belongs to round r = k B + r % B.
+//  - q_full (transaction mbarrier, 1 arrival + the Q bytes): a phase completes when its round's Q has landed; the
+//    consumers of round r wait for parity (r / B) & 1.
+//  - q_empty (mbarrier, one arrival per consumer thread): a phase completes when no consumer reads or writes its
+//    round's Q buffer any more (after its last Q K^T retired, or with O staged in Q, after the epilogue read O back
+//    and fenced its generic-proxy accesses against the next TMA write). The producer waits for the phase of round
+//    r - B, parity (r / B - 1) & 1, before it issues round r's Q (r >= B).
+//    Neither barrier can run two phases ahead of its waiter: Q of round r + B needs q_empty of round r, which
 //    needs every consumer to have passed its q_full wait of round r (and vice versa), so a parity wait is never
-//    ambiguous. No deadlock: before that wait the producer has issued all of round r's K/V, which the consumers
-//    need to reach their q_empty arrival; the next tile's first K load is issued before the wait (it needs only
-//    stages the consumers release in round r).
+//    ambiguous. No deadlock: before that wait the producer has issued all of round r - B's K/V, which the
+//    consumers need to reach their q_empty arrival of that round; with one buffer the next tile's first K load is
+//    issued before the wait (it needs only stages the consumers release in round r - 1).
 //  - pingpong: one turn token circulates between the consumers for the CTA's whole life: consumer 0 takes the
 //    first turn (the last consumer hands it over at its first tile), every GEMM round of every tile ends by
 //    passing the turn, so consumer 0's first round of tile r + 1 follows the last consumer's last round of tile
@@ -264,7 +266,8 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
   };
   const auto& low = low_part_tmas(args);
   auto& low_smem = low_parts<Traits::kSplit>(smem);
-  auto q_hi = q_part(args.tma_q, smem.q.data());
+  const int q_buffer = round % Traits::kQBuffers;
+  auto q_hi = q_part(args.tma_q, smem.q_buffer(q_buffer));
   auto k_hi = k_part(args.tma_k, smem.k.data());
   auto v_hi = v_part(args.tma_v, smem.v.data());
   auto q_lo = q_part(low.tma_q, low_smem.q.data());
@@ -288,14 +291,23 @@ __device__ void load_tile(const ForwardArgs<Traits>& args, const RowBlock& rb, t
     }
   };
 
-  // The first K stage only needs a stage the consumers released, so it can stream in during the previous
-  // tile's end; Q must wait for the previous round's q_empty phase (see the invariants at the top).
+  // Q waits for the q_empty phase of the round that last used its buffer (see the invariants at the top).
+  auto load_q = [&] {
+    constexpr int kBuffers = Traits::kQBuffers;
+    if (round >= kBuffers) cutlass::arch::ClusterBarrier::wait(&smem.q_empty[q_buffer], (round / kBuffers - 1) & 1);
+    uint64_t& q_full = smem.q_full[q_buffer];
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&q_full, Traits::kQLoadBytes);
+    copy(args.tma_q.with(q_full), q_hi.first, q_hi.second);
+    if constexpr (Traits::kSplit) copy(low.tma_q.with(q_full), q_lo.first, q_lo.second);
+  };
+  // With one buffer, the previous round frees Q's buffer only at its end, but the first K stage needs only a stage
+  // the consumers released, so it goes first and streams in during the previous tile's end. With two, Q's buffer is
+  // long free (two rounds back) and Q goes first: this producer reaches here while the consumers still have the
+  // previous tile's last key tiles to run, and Q then lands behind them.
   int n_block = rb.key_tiles.end - 1;
+  if constexpr (Traits::kQBuffers > 1) load_q();
   load_k(n_block);
-  if (round > 0) cutlass::arch::ClusterBarrier::wait(&smem.q_empty, (round - 1) & 1);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQLoadBytes);
-  copy(args.tma_q.with(smem.q_full), q_hi.first, q_hi.second);
-  if constexpr (Traits::kSplit) copy(low.tma_q.with(smem.q_full), q_lo.first, q_lo.second);
+  if constexpr (Traits::kQBuffers == 1) load_q();
   load_v(n_block);
   ++write;
   for (n_block = next_key_tile<Traits, kVariant>(p, rb, rb.mask_blocks, n_block); n_block >= rb.key_tiles.begin;
@@ -373,7 +385,8 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   // tile's main loop.
   const int thread = opaque(int(threadIdx.x) - 128);
 
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  const int q_buffer = progress.round % Traits::kQBuffers;
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q_buffer(q_buffer)), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
   // Split TF32: the lo parts (elsewhere the same buffers again, unused).
@@ -487,7 +500,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
   };
 
   typename Traits::PipelineState& read = progress.read;
-  cutlass::arch::ClusterBarrier::wait(&smem.q_full, progress.round & 1);
+  cutlass::arch::ClusterBarrier::wait(&smem.q_full[q_buffer], (progress.round / Traits::kQBuffers) & 1);
   // Consumer 0 goes first: in the CTA's first tile the last consumer hands it the turn here; later, its final
   // hand-over of the previous tile did.
   if constexpr (kGroups > 1) {
@@ -573,7 +586,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     ++read;
   }
   // Every Q K^T of the tile has retired: with O staged elsewhere, Q's buffer may take the next tile's Q.
-  if constexpr (Traits::kOwnOutputBuffer) cutlass::arch::ClusterBarrier::arrive(&smem.q_empty);
+  if constexpr (Traits::kOwnOutputBuffer) cutlass::arch::ClusterBarrier::arrive(&smem.q_empty[q_buffer]);
 
   // Last P V.
   wait_turn();
@@ -600,7 +613,8 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     if constexpr (Traits::kOwnOutputBuffer) {
       return make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});
     } else {
-      return make_tensor(make_smem_ptr(reinterpret_cast<Out*>(smem.q.data())), typename Traits::SmemLayoutQ{});
+      Out* staging = reinterpret_cast<Out*>(smem.q_buffer(q_buffer));
+      return make_tensor(make_smem_ptr(staging), typename Traits::SmemLayoutQ{});
     }
   }();
   // The O buffer outlives the tile: this warpgroup's reads of its rows for the previous tile must be done (with the
@@ -663,7 +677,7 @@ __device__ __forceinline__ void consume_tile(const AttentionParams& p, const typ
     // O was staged in Q's buffer: order this thread's generic-proxy accesses to it before the next tile's TMA
     // (async proxy) write, then free it.
     fence_stores_for_async_proxy();
-    cutlass::arch::ClusterBarrier::arrive(&smem.q_empty);
+    cutlass::arch::ClusterBarrier::arrive(&smem.q_empty[q_buffer]);
   }
   ++progress.round;
 }
@@ -702,8 +716,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   if (threadIdx.x == 0) {
     prefetch_tma_descriptors(args.tma_q, args.tma_k, args.tma_v);
     if constexpr (Traits::kSplit) prefetch_tma_descriptors(args.tma_lo.tma_q, args.tma_lo.tma_k, args.tma_lo.tma_v);
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&smem.q_empty, Traits::kConsumerThreads);
+    for (int b = 0; b < Traits::kQBuffers; ++b) {
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.q_full[b], 1);
+      cutlass::arch::ClusterBarrier::init(&smem.q_empty[b], Traits::kConsumerThreads);
+    }
   }
   const auto params =
       tma_pipeline_params<typename Traits::Pipeline>(Traits::kConsumerThreads, Traits::kKVStageLoadBytes);

@@ -36,7 +36,8 @@ struct ForwardTile {
 };
 
 // smem = (block_m + 2 * stages * block_n) * head_dim * 2 bytes (+ barriers), at most 227 KiB on the H100/H200,
-// plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer).
+// plus block_m * head_dim * 2 for an O staging buffer of its own where that still fits (kOwnOutputBuffer), and as
+// much again for a second Q buffer where that fits too (kQBuffers; not counted in the sizes below).
 // Register budget per consumer thread after setmaxnreg (240 with two consumers, 160 with three): O is
 // head_dim / 2 floats, S and the next S are block_n / 2 floats each, P block_n / 4 registers.
 // Which of a head dim's row tiles (the common form has up to three; the other forms take kStandard):
@@ -260,6 +261,17 @@ struct ForwardTraits {
                            Layout<Shape<Shape<_64, Int<kConsumerGroups>>, Int<kHeadDim>>,
                                   Stride<Stride<_1, Int<64 * kHeadDim>>, _64>>{})),
       SmemLayoutQ>;
+  // Two Q buffers where they fit beside O's own (16-bit tiles of one CTA per SM: d=64, d=96, d=128's standard tile),
+  // used by alternate rounds: a persistent CTA's next Q then loads during this tile's last key tiles. With one
+  // buffer it could only load once this tile's last Q K^T had retired, and its latency sat between the tile's end
+  // and the next tile's first Q K^T, where the tensor cores had only the last P V to run. H100, Nsight Compute, d=128
+  // non-causal on the persistent grid: 2k 442.1 -> 435.0 us, 4k 833.1 -> 831.0 us (cuDNN 426.6 / 424.6 and 821.6 /
+  // 825.4 in the same runs; NOTES, forty-ninth session). The per-tile grid runs one round per CTA and gains nothing.
+  static constexpr int kQBuffers =
+      kOwnOutputBuffer && !kTf32 && kCtasPerSm == 1 &&
+              3 * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit
+          ? 2
+          : 1;
   struct OutputBuffer {
     cute::array_aligned<OutElement, cosize_v<SmemLayoutOGroups>, 1024> o;
   };
@@ -278,13 +290,14 @@ struct ForwardTraits {
 
   struct SharedStorage : std::conditional_t<kOwnOutputBuffer, OutputBuffer, NoOutputBuffer>,
                          std::conditional_t<kSplit, LowPartsFirst, NoLowParts> {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ> * kQBuffers, 1024> q;  // buffer b at q_buffer(b)
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    alignas(8) uint64_t q_full;   // transaction barrier of a tile's Q load (one phase per tile)
-    alignas(8) uint64_t q_empty;  // every consumer thread arrives once per tile when Q's buffer is free again
+    alignas(8) uint64_t q_full[kQBuffers];   // transaction barrier of a buffer's Q load (one phase per use)
+    alignas(8) uint64_t q_empty[kQBuffers];  // every consumer thread arrives once per use when the buffer is free
+    CUTE_DEVICE Element* q_buffer(int b) { return q.data() + b * cosize_v<SmemLayoutQ>; }
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemLimit);
