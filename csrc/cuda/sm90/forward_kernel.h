@@ -15,8 +15,8 @@
 // Tiles: tile t (a query row block of one (batch, head)) is numbered as split_tile says. They go out in passes of
 // gridDim.x tiles: in pass j, CTA b runs tile j * gridDim.x + b, or on odd passes the mirror position (pass_tile).
 // One pass and one tile per CTA when the grid has one CTA per tile; many on a persistent grid of about one CTA per
-// SM (the default up to 2048 keys, forward_launch.h). Each tile is the same function in both cases; only the loop
-// around it is new.
+// SM (the default up to 2048 keys, 4096 at d=128: forward_launch.h). Each tile is the same function in both cases;
+// only the loop around it is new.
 //
 // Synchronisation across the tiles of one CTA (all warpgroups skip the same empty tiles, so "round" r below counts
 // the CTA's non-empty tiles, 0, 1, 2, ...):

@@ -84,6 +84,19 @@ typename Traits::TmaO make_tma_o(const AttentionParams& p) {
 // at 512-1024, where tiles are short and a CTA's next tile loads under the current tile's tail) but only
 // 0.94-1.02x at 8k.
 constexpr int64_t kPersistentMaxSeqlenK = 2048;
+// The common form's 16-bit d=128 calls (its standard tile) stay persistent up to 4096 keys. On the H100 (jax
+// 0.11.2, bench_env_ab.py three rounds, results/env_ab_NVIDIA_H100_80GB_HBM3_2026-12-06_persist128_s49.json) the
+// persistent grid ran 4k 2.3% (non-causal) and 1.4% (causal) faster than one CTA per tile; Nsight Compute kernel
+// times 831 against 856 us and 466 against 484 us (NOTES, forty-ninth session). At 8192 keys (the wide-keys tile)
+// causal ran 7.3% slower, so that stays per tile.
+constexpr int64_t kPersistentMaxSeqlenKD128 = 4096;
+
+// The key length up to which a kernel form with this head dim and element type is persistent by default.
+template <int kHeadDim, class Element, ForwardVariant kVariant>
+constexpr int64_t persistent_max_seqlen_k() {
+  const bool measured = kHeadDim == 128 && sizeof(Element) == 2 && kVariant == ForwardVariant::kCommon;
+  return measured ? kPersistentMaxSeqlenKD128 : kPersistentMaxSeqlenK;
+}
 
 // A switch read at every call: unset, "" or "auto" sets *on to `automatic`, "1" to true, "0" to false; anything
 // else is an error naming the variable.
@@ -116,7 +129,7 @@ inline std::string cta_cap_switch(const char* variable, int64_t* max_ctas) {
 
 // JAX_FLASH_SM90_PERSISTENT (read at every call): unset, "" or "auto" launches a persistent grid (forward_kernel.h:
 // each CTA loops over tiles blockIdx.x, + gridDim.x, ...) when seqlen_k <= automatic_max_seqlen_k (the tile's
-// limit: kPersistentMaxSeqlenK, or kThreePerSmPersistentMaxSeqlenK) and one CTA per tile otherwise; "1" forces the
+// limit: persistent_max_seqlen_k, or kThreePerSmPersistentMaxSeqlenK) and one CTA per tile otherwise; "1" forces the
 // persistent grid, "0" one CTA per tile. *max_ctas > 0 caps the persistent grid: JAX_FLASH_SM90_PERSISTENT_CTAS=N,
 // for tests, makes small problems loop over many tiles too.
 inline std::string persistent_switch(int64_t seqlen_k, bool* persistent, int64_t* max_ctas,
@@ -307,7 +320,11 @@ template <int kHeadDim, class Element, ForwardVariant kVariant>
 std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream) {
   bool persistent = false;
   int64_t max_ctas = 0;
-  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas); !err.empty()) return err;
+  if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas,
+                                         persistent_max_seqlen_k<kHeadDim, Element, kVariant>());
+      !err.empty()) {
+    return err;
+  }
   if constexpr (is_tf32<Element>) {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "the TF32 tiles and the workspace's head dims");
     if (p.tf32_vt == nullptr) return "sm90 TF32 forward: no V^T workspace";
