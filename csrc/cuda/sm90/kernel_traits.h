@@ -242,8 +242,11 @@ struct ForwardTraits {
   // the epilogue.
   // 227 KiB per CTA on the H100/H200, of 228 KiB per SM, each resident CTA reserving 1 KiB of it.
   static constexpr int kSmemLimit = kCtasPerSm == 1 ? 227 * 1024 : 228 * 1024 / kCtasPerSm - 1024;
-  static constexpr bool kOwnOutputBuffer =
-      (1 + kOperandParts) * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit;  // 1024: barriers, alignment
+  // How many Q-sized buffers (Q's parts, O's own, a second Q) fit beside both K/V pipelines (1024: barriers,
+  // alignment); the one budget both choices below are made from.
+  static constexpr int kQSizedBuffersThatFit =
+      (kSmemLimit - int(2 * kStages * kKVStageLoadBytes) - 1024) / int(kQBytes);
+  static constexpr bool kOwnOutputBuffer = kQSizedBuffersThatFit >= 1 + kOperandParts;
   static_assert(sizeof(OutElement) == sizeof(Element), "O is staged in buffers shaped like Q's");
   static_assert(cosize_v<SmemLayoutOGroups> == cosize_v<SmemLayoutQ>);
   // O written back by TMA stores, one per consumer and tile (its 64 rows of O's buffer are the box), where O has a
@@ -268,10 +271,7 @@ struct ForwardTraits {
   // non-causal on the persistent grid: 2k 442.1 -> 435.0 us, 4k 833.1 -> 831.0 us (cuDNN 426.6 / 424.6 and 821.6 /
   // 825.4 in the same runs; NOTES, forty-ninth session). The per-tile grid runs one round per CTA and gains nothing.
   static constexpr int kQBuffers =
-      kOwnOutputBuffer && !kTf32 && kCtasPerSm == 1 &&
-              3 * kQBytes + 2 * kStages * kKVStageLoadBytes + 1024 <= kSmemLimit
-          ? 2
-          : 1;
+      kOwnOutputBuffer && !kTf32 && kCtasPerSm == 1 && kQSizedBuffersThatFit >= 3 ? 2 : 1;  // Q, O, second Q
   struct OutputBuffer {
     cute::array_aligned<OutElement, cosize_v<SmemLayoutOGroups>, 1024> o;
   };
