@@ -6,6 +6,8 @@
 #   git diff main my-branch -- csrc > ab.patch      (untracked, so it travels with the tree)
 #   AB_PATCH=ab.patch AB_STAGES="build bench ncu_vs_cudnn" BENCH_ARGS="--head-dims 64 128 --impls jax_flash_sm90
 #   cudnn" bash csrc/cuda/tests/device_ab.sh
+# Each half's build links a carried prebuilt*/ library whose stamp matches its sources where one does (device_run.sh
+# prebuild with PREBUILT_DIR=prebuilt_<name> for the patched tree), else compiles the kernels.
 # BENCH_ARGS gets --tag change / --tag base appended, so the two result files stay apart. AB_LIMIT (seconds, optional)
 # caps each half (device_run.sh's TOTAL_LIMIT); by default TOTAL_LIMIT, if set, is split between the halves.
 set -uo pipefail

@@ -6,9 +6,9 @@
 # Stages
 #   build        the package (kernels for $JAX_FLASH_CUDA_ARCHS, default 90a) and build/standalone_check; skipped
 #                when the sources and build switches are those of the last build on this (warm) machine; links a
-#                carried prebuilt/ kernel library of the same sources and switches instead of compiling the kernels
-#   prebuild     (here, on the CPU machine) that library into prebuilt/: see prebuild()
-#   prebuilt_stamp  whether prebuilt/ matches the sources and the exported switches
+#                carried prebuilt*/ kernel library of the same sources and switches instead of compiling the kernels
+#   prebuild     (here, on the CPU machine) that library into ${PREBUILT_DIR:-prebuilt}/: see prebuild()
+#   prebuilt_stamp  which prebuilt*/ library matches the sources and the exported switches
 #   check        standalone float64 check of every kernel family        check_bwd90  the same for the sm90 backward
 #   sanitize     memcheck, racecheck and synccheck on `--small` of both standalone grids
 #   persistent   the sm90 forward's grid modes (the check stage runs the default, auto: persistent for every case
@@ -125,44 +125,61 @@ kernel_stamp() {
 }
 
 # prebuild (on any machine with nvcc, no GPU needed): the kernel library for the exported switches, gzipped into
-# prebuilt/ (the objects with line info take ~80 MiB, over what a device call carries) with its kernel_stamp. Carried
-# to a GPU machine (`carry: [".whl", "prebuilt"]`), `build` links it instead of compiling the kernels where the stamps
-# match. Incremental: build/prebuild is kept between runs. The stamp is written only if the sources did not change
-# while the library compiled.
+# $PREBUILT_DIR (default prebuilt/; the objects with line info take ~80 MiB, over what a device call carries) with its
+# kernel_stamp. Carried to a GPU machine (`carry: [".whl", "prebuilt"]`), `build` links it instead of compiling the
+# kernels where the stamps match. Incremental: build/prebuild is kept between runs. The stamp is written only if the
+# sources did not change while the library compiled.
+# For an A/B of a kernel patch, prebuild the base and the patched sources into two folders of their own and carry both:
+# each half of device_ab.sh then links its library (~30 s) instead of compiling (~430 s for d=64/128 on a fresh
+# machine). Two full libraries (~35 MiB each) exceed the 64 MiB a call carries, so restrict both to the head dims
+# under test (~19 MiB for d=64/128), with the same switches exported on the device (benchmarks/ab/README.md):
+#   PREBUILT_DIR=prebuilt_base <switches> bash csrc/cuda/tests/device_run.sh prebuild
+#   git apply P && PREBUILT_DIR=prebuilt_ab <switches> bash csrc/cuda/tests/device_run.sh prebuild; git apply -R P
 prebuild() {
-  local dir=build/prebuild switch defines=() before
+  local dir=build/prebuild switch defines=() before target=${PREBUILT_DIR:-prebuilt}
   for switch in JAX_FLASH_CUDA_ARCHS JAX_FLASH_CUDA_HEAD_DIMS JAX_FLASH_CUDA_SM90_HEAD_DIMS JAX_FLASH_CUDA_FP16; do
     [ -n "${!switch:-}" ] && defines+=("-D$switch=${!switch}")
   done
+  case $target in prebuilt|prebuilt_*) ;; *) echo "PREBUILT_DIR must be prebuilt or prebuilt_<name>"; return 1 ;; esac
   before=$(kernel_stamp)
-  rm -f prebuilt/stamp
+  rm -f "$target/stamp"
   # -U first: a switch unset now takes CMakeLists' default, not the value an earlier run left in the cache.
   cmake -S . -B "$dir" -G Ninja -U 'JAX_FLASH_CUDA*' -DJAX_FLASH_CUDA=ON -DJAX_FLASH_CUDA_PREBUILT_LIB= \
     -DPython_EXECUTABLE="$(command -v python3)" "${defines[@]}" || return 1
   cmake --build "$dir" --target jax_flash_cuda_kernels -j "${PREBUILD_JOBS:-$(nproc)}" || return 1
-  mkdir -p prebuilt && gzip -c "$dir/csrc/cuda/libjax_flash_cuda_kernels.a" > prebuilt/libjax_flash_cuda_kernels.a.gz ||
+  mkdir -p "$target" && gzip -c "$dir/csrc/cuda/libjax_flash_cuda_kernels.a" > "$target/libjax_flash_cuda_kernels.a.gz" ||
     return 1
   if [ "$(kernel_stamp)" != "$before" ]; then
     echo "the sources or switches changed during the build: no stamp written, run prebuild again"; return 1
   fi
-  echo "$before" > prebuilt/stamp
-  du -h prebuilt/libjax_flash_cuda_kernels.a.gz
+  echo "$before" > "$target/stamp"
+  du -h "$target/libjax_flash_cuda_kernels.a.gz"
+}
+
+# The carried prebuilt*/ folder whose stamp is kernel_stamp's now (printed; status 1 where none is).
+matching_prebuilt() {
+  local stamp folder
+  stamp=$(kernel_stamp)
+  for folder in prebuilt prebuilt_*; do
+    if [ -f "$folder/stamp" ] && [ "$(cat "$folder/stamp")" = "$stamp" ]; then echo "$folder"; return 0; fi
+  done
+  return 1
 }
 
 # The kernels: "prebuilt" (linked from a carried prebuilt/ whose stamp matches), "compiled", or "" on failure; one
 # line on how to summary.log.
 install_package() {
-  local why="no prebuilt/"
-  if [ -f prebuilt/stamp ] && [ "$(cat prebuilt/stamp)" != "$(kernel_stamp)" ]; then
-    why="prebuilt/ is of other sources or switches"
-  elif [ -f prebuilt/stamp ]; then
-    mkdir -p build && gzip -dc prebuilt/libjax_flash_cuda_kernels.a.gz > build/libjax_flash_cuda_kernels.a &&
+  local why="no prebuilt/" folder
+  if folder=$(matching_prebuilt); then
+    mkdir -p build && gzip -dc "$folder/libjax_flash_cuda_kernels.a.gz" > build/libjax_flash_cuda_kernels.a &&
       JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB=$repo/build/libjax_flash_cuda_kernels.a \
         python3 -m pip install --no-deps --no-build-isolation -v . >&2 &&
       # Another toolchain's objects might still fail to load (libstdc++ versions): then compile them.
       (cd /tmp && python3 -c "import jax_flash, sys; sys.exit(not jax_flash.BUILT_WITH_CUDA)") >&2 &&
-      { echo "build: kernels prebuilt (prebuilt/ linked)" >> "$out/summary.log"; echo prebuilt; return; }
-    why="prebuilt/ did not link or load"
+      { echo "build: kernels prebuilt ($folder/ linked)" >> "$out/summary.log"; echo prebuilt; return; }
+    why="$folder/ did not link or load"
+  elif compgen -G "prebuilt*/stamp" > /dev/null; then
+    why="prebuilt*/ are of other sources or switches"
   fi
   echo "build: kernels compiled ($why)" >> "$out/summary.log"
   JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB="" python3 -m pip install --no-deps --no-build-isolation -v . >&2 &&
@@ -495,10 +512,10 @@ run_stage() {
   case $1 in
     build) stage build 500 build || { tail -n 60 "$out/build.log"; exit 1; } ;;
     prebuild) stage prebuild 7200 prebuild || { tail -n 30 "$out/prebuild.log"; exit 1; } ;;
-    prebuilt_stamp) if [ "$(cat prebuilt/stamp 2>/dev/null)" = "$(kernel_stamp)" ]; then
-                      echo "prebuilt/ is current" | tee -a "$out/summary.log"
+    prebuilt_stamp) if folder=$(matching_prebuilt); then
+                      echo "$folder/ is current" | tee -a "$out/summary.log"
                     else
-                      echo "prebuilt/ is missing or stale: run prebuild" | tee -a "$out/summary.log"
+                      echo "no prebuilt*/ matches these sources and switches: run prebuild" | tee -a "$out/summary.log"
                     fi ;;
     check) stage check 120 "$check" ;;
     check_bwd90) stage check_bwd90 90 "$check" --sm90-backward ;;

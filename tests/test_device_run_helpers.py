@@ -1,5 +1,6 @@
-"""csrc/cuda/tests/device_run.sh's restore_source_times on the CPU: a source file sent again with the same content
-gets back the time it had at the last build (so ninja keeps its objects), a changed one keeps its fresh time."""
+"""Helpers of csrc/cuda/tests/device_run.sh, on the CPU: restore_source_times (a source file sent again with the same
+content gets back the time it had at the last build, so ninja keeps its objects; a changed one keeps its fresh time)
+and matching_prebuilt (the carried kernel library whose stamp is the tree's)."""
 
 import os
 import shutil
@@ -10,9 +11,14 @@ import pytest
 _DEVICE_RUN = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "tests", "device_run.sh")
 
 
+def _run_function(repo, name, before="", check=True):
+    """Runs device_run.sh's function `name` alone (its text cut out of the script) in `repo`, after `before`."""
+    script = f"{before}\nsource <(sed -n '/^{name}() {{/,/^}}/p' {_DEVICE_RUN}) && {name}"
+    return subprocess.run(["bash", "-c", script], cwd=repo, check=check, capture_output=True, text=True, timeout=60)
+
+
 def _restore(repo):
-    script = f"source <(sed -n '/^restore_source_times() {{/,/^}}/p' {_DEVICE_RUN}) && restore_source_times"
-    subprocess.run(["bash", "-c", script], cwd=repo, check=True, capture_output=True, text=True, timeout=60)
+    _run_function(repo, "restore_source_times")
 
 
 def _resend(paths, ns):
@@ -48,3 +54,19 @@ def test_unchanged_sources_get_their_build_time_back(tmp_path):
     _restore(repo)  # the edit is now the recorded content, with the time it had at the second build
     assert changed.stat().st_mtime_ns == second
     assert kept.stat().st_mtime_ns == first
+
+
+def test_the_prebuilt_library_of_these_sources_is_chosen(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    for folder, stamp in (("prebuilt", "base"), ("prebuilt_ab", "patched"), ("prebuilt_old", "older")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "stamp").write_text(stamp + "\n")
+
+    def chosen(stamp):
+        run = _run_function(tmp_path, "matching_prebuilt", f"kernel_stamp() {{ echo {stamp}; }}", check=False)
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    assert chosen("base") == "prebuilt"
+    assert chosen("patched") == "prebuilt_ab"
+    assert chosen("other") is None
