@@ -166,8 +166,8 @@ matching_prebuilt() {
   return 1
 }
 
-# The kernels: "prebuilt" (linked from a carried prebuilt/ whose stamp matches), "compiled", or "" on failure; one
-# line on how to summary.log.
+# The kernels: "prebuilt" (linked from the carried prebuilt*/ folder whose stamp matches), "compiled", or "" on
+# failure; one line on how to summary.log.
 install_package() {
   local why="no prebuilt/" folder
   if folder=$(matching_prebuilt); then
@@ -190,7 +190,8 @@ install_package() {
 # call, and a build cut by its limit restarts from nothing (fiftieth session). Each file whose content is unchanged
 # since the last build here gets back the time it had then (build/.source_times: path -> [md5, time in ns]); a changed
 # file keeps its fresh time, so ninja rebuilds exactly what depends on it. Written before the build, so that a cut
-# build resumes.
+# build resumes. Sound only while every build of this build folder goes through build() (the manifest must name the
+# content the objects were compiled from).
 restore_source_times() {
   python3 - <<'PY'
 import hashlib, json, os, pathlib
