@@ -12,13 +12,15 @@ _DEVICE_RUN = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "tes
 
 
 def _run_function(repo, name, before="", check=True):
-    """Runs device_run.sh's function `name` alone (its text cut out of the script) in `repo`, after `before`."""
-    script = f"{before}\nsource <(sed -n '/^{name}() {{/,/^}}/p' {_DEVICE_RUN}) && {name}"
+    """Runs device_run.sh's function `name` (with any arguments after it) alone, its text cut out of the script, in
+    `repo`, after `before`."""
+    function = name.split()[0]
+    script = f"{before}\nsource <(sed -n '/^{function}() {{/,/^}}/p' {_DEVICE_RUN}) && {name}"
     return subprocess.run(["bash", "-c", script], cwd=repo, check=check, capture_output=True, text=True, timeout=60)
 
 
 def _restore(repo):
-    _run_function(repo, "restore_source_times")
+    _run_function(repo, "restore_source_times csrc CMakeLists.txt")
 
 
 def _resend(paths, ns):

@@ -191,14 +191,14 @@ install_package() {
 # since the last build here gets back the time it had then (build/.source_times: path -> [md5, time in ns]); a changed
 # file keeps its fresh time, so ninja rebuilds exactly what depends on it. Written before the build, so that a cut
 # build resumes. Sound only while every build of this build folder goes through build() (the manifest must name the
-# content the objects were compiled from).
+# content the objects were compiled from). Arguments: the build's inputs, files or folders.
 restore_source_times() {
-  python3 - <<'PY'
-import hashlib, json, os, pathlib
+  python3 - "$@" <<'PY'
+import hashlib, json, os, pathlib, sys
 manifest = pathlib.Path("build/.source_times")
 old = json.loads(manifest.read_text()) if manifest.exists() else {}
 new = {}
-for root in ("csrc", "cmake", "CMakeLists.txt", "pyproject.toml"):
+for root in sys.argv[1:]:
     top = pathlib.Path(root)
     for path in [top] if top.is_file() else sorted(top.rglob("*")):
         if not path.is_file():
@@ -213,14 +213,14 @@ PY
 }
 
 build() {
-  local stamp
-  stamp=$( (find csrc CMakeLists.txt cmake pyproject.toml -type f -print0 | sort -z | xargs -0 md5sum;
+  local stamp inputs=(csrc CMakeLists.txt cmake pyproject.toml)
+  stamp=$( (find "${inputs[@]}" -type f -print0 | sort -z | xargs -0 md5sum;
             env | grep '^JAX_FLASH_CUDA' | sort) | md5sum)
   if [ -x "$check" ] && [ "$(cat build/.stamp 2>/dev/null)" = "$stamp" ]; then
     echo "unchanged since the last build here"; return 0
   fi
   python3 -m pip install -q --no-deps --no-index .whl/*.whl || return 1
-  restore_source_times || return 1
+  restore_source_times "${inputs[@]}" || return 1
   local kernels library
   kernels=$(install_package) || return 1
   [ -n "$kernels" ] || return 1
