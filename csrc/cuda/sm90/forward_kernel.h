@@ -710,7 +710,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
     forward_kernel(const __grid_constant__ ForwardKernelArgs<Traits> args) {
   using namespace cute;
   extern __shared__ __align__(1024) char smem_bytes[];
-  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+  auto& smem = pinned_shared_storage<typename Traits::SharedStorage>(smem_bytes);
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {

@@ -113,6 +113,19 @@ __device__ __forceinline__ void round_tiles_to_tf32(float* a, float* b, int elem
 // Every lane must call it with the warp converged.
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+// A kernel's SharedStorage, reached through its 32-bit shared-window address, computed once and hidden from the
+// optimiser; every barrier address and WGMMA descriptor derives from it. Through the extern array itself, ptxas
+// rebuilt the window base (an S2UR of SR_CgaCtaId and a ULEA) wherever one was needed: 5-8 times per forward kernel,
+// once at the head of every key tile's loop (d=64 three-per-SM tile: 2.3% of that loop's stall samples, forty-seventh
+// session). Now the CTA id is read once. (The backward kernels keep the array: pinned, the d=128 dQ kernel grew by
+// 40 instructions.)
+template <class SharedStorage>
+__device__ __forceinline__ SharedStorage& pinned_shared_storage(char* smem_bytes) {
+  uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem_bytes));
+  asm volatile("" : "+r"(address));
+  return *static_cast<SharedStorage*>(__cvta_shared_to_generic(address));
+}
+
 // Issues acc (+)= A * B over every k slice as one committed WGMMA batch; the caller waits with
 // warpgroup_wait<N>() (N = batches allowed to stay in flight). kZeroInit overwrites acc instead of adding.
 template <bool kZeroInit, class TiledMma, class A, class B, class Acc>
