@@ -270,6 +270,9 @@ struct ForwardTraits {
   // and the next tile's first Q K^T, where the tensor cores had only the last P V to run. H100, Nsight Compute, d=128
   // non-causal on the persistent grid: 2k 442.1 -> 435.0 us, 4k 833.1 -> 831.0 us (cuDNN 426.6 / 424.6 and 821.6 /
   // 825.4 in the same runs; NOTES, forty-ninth session). The per-tile grid runs one round per CTA and gains nothing.
+  // Not on the tiles of two or three CTAs per SM, where a second Q buffer fits too: there another CTA's work hides
+  // the Q load, and with it d=64's kernels ran 0.4-2% longer (H100, B A B: causal 1k 230.9 / 227.6 / 232.5 us,
+  // non-causal 2k 598.9 / 596.3 / 604.6; NOTES, fifty-first session).
   static constexpr int kQBuffers =
       kOwnOutputBuffer && !kTf32 && kCtasPerSm == 1 && kQSizedBuffersThatFit >= 3 ? 2 : 1;  // Q, O, second Q
   struct OutputBuffer {
