@@ -169,7 +169,7 @@ matching_prebuilt() {
 # The kernels: "prebuilt" (linked from the carried prebuilt*/ folder whose stamp matches), "compiled", or "" on
 # failure; one line on how to summary.log.
 install_package() {
-  local why="no prebuilt/" folder
+  local folder why="no prebuilt*/ folder"
   if folder=$(matching_prebuilt); then
     mkdir -p build && gzip -dc "$folder/libjax_flash_cuda_kernels.a.gz" > build/libjax_flash_cuda_kernels.a &&
       JAX_FLASH_CUDA=ON JAX_FLASH_CUDA_PREBUILT_LIB=$repo/build/libjax_flash_cuda_kernels.a \
