@@ -280,15 +280,18 @@ def test_sm90_lazy_rescale(head_dim, causal, monkeypatch):
         jax.block_until_ready(jax_flash.attention(q, k, v))
 
 
+@pytest.mark.parametrize("keys", (64, 96))
 @pytest.mark.parametrize("grid", ("persistent", "persistent-2-ctas", "per-tile"))
 @pytest.mark.parametrize("feature", ("none", "causal", "window_left_causal", "seqlens_causal", "segments"))
-def test_sm90_three_per_sm_tile(feature, grid, monkeypatch):
+def test_sm90_three_per_sm_tile(feature, grid, keys, monkeypatch):
     """JAX_FLASH_SM90_THREE_PER_SM=1 runs every d=64 two-per-SM call (by default only the causal ones) on a
-    64-row tile with 64-key stages, three CTAs per SM. Its rows see the keys in 64-key steps (the 128-key tile's
-    rescaling differs), so it is checked against the accuracy bound, not bit for bit. A bad value is an error."""
+    64-row tile with 64-key stages, three CTAs per SM, or with JAX_FLASH_SM90_WIDE_KEYS=1 two 96-key stages (by
+    default from 1025 keys). Its rows see the keys in 64- or 96-key steps (the 128-key tile's rescaling differs), so
+    it is checked against the accuracy bound, not bit for bit. A bad value is an error."""
     use_forward_kernel(monkeypatch, "sm90", 64)
     monkeypatch.setenv("JAX_FLASH_SM90_TWO_PER_SM", "1")
     monkeypatch.setenv("JAX_FLASH_SM90_THREE_PER_SM", "1")
+    monkeypatch.setenv("JAX_FLASH_SM90_WIDE_KEYS", "1" if keys == 96 else "0")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT", "0" if grid == "per-tile" else "1")
     monkeypatch.setenv("JAX_FLASH_SM90_PERSISTENT_CTAS", "2" if grid == "persistent-2-ctas" else "")
     case = Case(batch=2, seqlen_q=1000, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16,

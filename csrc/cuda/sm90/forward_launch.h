@@ -209,6 +209,13 @@ constexpr int64_t kThreePerSmMaxSeqlenKCausal = kTwoPerSmMaxSeqlenKCausal;
 // rounds; 1024 not measured: it stays persistent, where the twenty-sixth session measured this tile's gain there).
 constexpr int64_t kThreePerSmPersistentMaxSeqlenK = 1024;
 
+// The three-per-SM tile's wide-keys form (RowTile::kThreePerSmWideKeys: two 96-key stages where it had three of 64)
+// spreads each key tile's fixed costs (waits, row reductions, the O rescale) over half as many keys again, and pays
+// once a row block walks enough key tiles. Kernel time on one H100 (Nsight Compute, B A B against the 64-key form;
+// results/checks_h100_2026-12-07_session52.log): d=64 causal 1k 234.7 / 222.7 / 230.3 us, 2k 358.5 / 360.0 / 355.9,
+// 4k 616.2 / 631.1 / 615.5 (cuDNN 629-631 there).
+constexpr int64_t kThreePerSmWideKeysMinSeqlenK = 1025;
+
 // JAX_FLASH_SM90_THREE_PER_SM (read at every call), among the calls that take the two-per-SM tile: unset, "" or
 // "auto" causal calls up to the key length above, "1" always, "0" never.
 inline std::string three_per_sm_switch(const AttentionParams& p, bool* three_per_sm) {
@@ -232,11 +239,15 @@ constexpr bool wide_keys_by_default(int head_dim, int64_t seqlen_k) {
 
 // JAX_FLASH_SM90_WIDE_KEYS (read at every call) picks the wide-keys tiles (and at d=64 kTwoPerSmWideKeys where the
 // two-per-SM tile runs) for common-form calls of a head dim that has them and more than 64 query rows: unset, "" or
-// "auto" from the key lengths above, "1" always (at d=64 also in place of the long-rows tile, but not of the
-// three-per-SM tile where that one runs), "0" never.
+// "auto" from the key lengths above, "1" always (at d=64 also in place of the long-rows tile), "0" never. Where the
+// three-per-SM tile runs (`three_per_sm`), the same switch picks its wide-keys form, by default from
+// kThreePerSmWideKeysMinSeqlenK keys.
 // kernel_head_dim is the tile's (a narrowed build runs d=96 calls on the d=128 kernels).
-inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& p, bool* wide_keys) {
-  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", wide_keys_by_default(kernel_head_dim, p.seqlen_k), wide_keys);
+inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& p, bool* wide_keys,
+                                    bool three_per_sm = false) {
+  const bool by_default = three_per_sm ? p.seqlen_k >= kThreePerSmWideKeysMinSeqlenK
+                                       : wide_keys_by_default(kernel_head_dim, p.seqlen_k);
+  return on_off_auto_switch("JAX_FLASH_SM90_WIDE_KEYS", by_default, wide_keys);
 }
 
 // The lazy rescale (forward_kernel.h lazy_rescale, online_softmax.h step): a row keeps its reference maximum until a
@@ -350,6 +361,14 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
           if (std::string err = persistent_switch(p.seqlen_k, &persistent, &max_ctas, kThreePerSmPersistentMaxSeqlenK);
               !err.empty()) {
             return err;
+          }
+          if constexpr (has_row_tile(kHeadDim, RowTile::kThreePerSmWideKeys)) {
+            bool three_wide = false;
+            if (std::string err = wide_keys_switch(kHeadDim, p, &three_wide, true); !err.empty()) return err;
+            if (three_wide) {
+              return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSmWideKeys>, kVariant>(
+                  p, persistent, max_ctas, stream);
+            }
           }
           return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kThreePerSm>, kVariant>(p, persistent,
                                                                                               max_ctas, stream);

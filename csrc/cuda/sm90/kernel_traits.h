@@ -49,7 +49,8 @@ struct ForwardTile {
 //    long K/V with few tiles, so the freed shared memory goes to a deeper K/V pipeline instead.
 //  - kThreePerSm: as kTwoPerSm with 64-key stages, so that three CTAs fit per SM (64 KiB each; consumers at 136
 //    registers: ptxas, no spills), in place of kTwoPerSm for short causal calls (forward_launch.h
-//    three_per_sm_switch).
+//    three_per_sm_switch); kThreePerSmWideKeys, the same with two 96-key stages in the same shared memory (consumers
+//    up to R133 of 136, no spills), for its calls of more than 1024 keys (forward_launch.h).
 //  - kTwoPerSm: one consumer (64 rows) in a CTA small enough that two are resident per SM. Two consumers of one
 //    CTA work on the same tile, so they reach its serial parts together (the first Q K^T and its softmax with no
 //    GEMM to overlap, the diagonal tile's mask, the last P V, the epilogue) and leave the tensor cores idle there;
@@ -67,7 +68,9 @@ struct ForwardTile {
 // wide-keys tile does not).
 // kSplitTf32 is not a row choice of the 16-bit kernels but the tile of the split-TF32 forward (float32, each operand
 // as two TF32 parts: tf32_workspace.h): split_tf32_forward_tile.
-enum class RowTile { kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys, kSplitTf32 };
+enum class RowTile {
+  kStandard, kLong, kShort, kTwoPerSm, kThreePerSm, kWideKeys, kTwoPerSmWideKeys, kThreePerSmWideKeys, kSplitTf32
+};
 
 constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStandard) {
   switch (head_dim) {
@@ -75,6 +78,7 @@ constexpr ForwardTile forward_tile(int head_dim, RowTile rows = RowTile::kStanda
                     : rows == RowTile::kShort    ? ForwardTile{64, 128, 4}      //   8 + 128 (+ 8 O) = 144 KiB
                     : rows == RowTile::kTwoPerSm ? ForwardTile{64, 128, 2, 2}   //   8 + 64 (+ 8 O) = 80 KiB
                     : rows == RowTile::kThreePerSm ? ForwardTile{64, 64, 3, 3}  //   8 + 48 (+ 8 O) = 64 KiB
+                    : rows == RowTile::kThreePerSmWideKeys ? ForwardTile{64, 96, 2, 3}  // 8 + 48 (+ 8 O) = 64 KiB
                     : rows == RowTile::kWideKeys ? ForwardTile{128, 192, 2}     //  16 + 96 (+ 16 O) = 128 KiB
                     : rows == RowTile::kTwoPerSmWideKeys ? ForwardTile{64, 192, 2, 2}  // 8 + 96 (+ 8 O) = 112 KiB
                                                  : ForwardTile{128, 128, 3};    //  16 + 96 (+ 16 O) = 128 KiB
@@ -271,7 +275,7 @@ struct ForwardTraits {
   // non-causal on the persistent grid: 2k 442.1 -> 435.0 us, 4k 833.1 -> 831.0 us (cuDNN 426.6 / 424.6 and 821.6 /
   // 825.4 in the same runs; NOTES, forty-ninth session). The per-tile grid runs one round per CTA and gains nothing.
   // Not on the tiles of two or three CTAs per SM, where a second Q buffer fits too: there another CTA's work hides
-  // the Q load, and with it d=64's kernels ran 0.4-2% longer (H100, B A B: causal 1k 230.9 / 227.6 / 232.5 us,
+  // the Q load, and with it d=64's kernels ran 0.4-2.2% longer (H100, B A B: causal 1k 230.9 / 227.6 / 232.5 us,
   // non-causal 2k 598.9 / 596.3 / 604.6; NOTES, fifty-first session).
   static constexpr int kQBuffers =
       kOwnOutputBuffer && !kTf32 && kCtasPerSm == 1 && kQSizedBuffersThatFit >= 3 ? 2 : 1;  // Q, O, second Q

@@ -119,6 +119,7 @@ int main() {
   forward<64>("forward d=64");
   forward<64, RowTile::kTwoPerSm>("forward d=64 two per SM");
   forward<64, RowTile::kThreePerSm>("forward d=64 three per SM");
+  forward<64, RowTile::kThreePerSmWideKeys>("forward d=64 three per SM, wide keys");
   forward<64, RowTile::kLong>("forward d=64 long rows");
   forward<64, RowTile::kWideKeys>("forward d=64 wide keys");
   forward<128>("forward d=128");

@@ -193,6 +193,7 @@ int main() {
   forward<64, RowTile::kShort>("short");
   forward<64, RowTile::kTwoPerSm>("two per SM");
   forward<64, RowTile::kThreePerSm>("three per SM");
+  forward<64, RowTile::kThreePerSmWideKeys>("three per SM, wide keys");
   forward<64, RowTile::kWideKeys>("wide keys");
   forward<64, RowTile::kTwoPerSmWideKeys>("two per SM, wide keys");
   forward<96>("standard");
