@@ -91,25 +91,38 @@ struct RowBlock {
   QueryTileMaskBlocks mask_blocks;  // dense form: row_block_mask_blocks (used by the producer)
 };
 
-// Tile number -> (row block counted from the last, slice = batch * heads_q + head).
+// A plain division with FastDivmod's call form (quotient, remainder, dividend), for split_tile's one-off callers.
 template <class Int>
-__device__ void split_tile(Int tile, bool causal, Int row_blocks, Int slices, Int band, Int* block, Int* slice) {
+struct PlainDivmod {
+  Int divisor;
+  __device__ void operator()(Int& quotient, Int& remainder, Int dividend) const {
+    quotient = dividend / divisor;
+    remainder = dividend - quotient * divisor;
+  }
+};
+
+// Tile number -> (row block counted from the last, slice = batch * heads_q + head). The divisions are by the
+// TileGrid counts: by_band_tiles by band * row_blocks, by_band and by_last_band by the width of a whole band and of
+// the last one, by_row_blocks by row_blocks.
+template <class Int, class Divmod>
+__device__ void split_tile(Int tile, bool causal, Int slices, Int band, const Divmod& by_row_blocks,
+                           const Divmod& by_band_tiles, const Divmod& by_band, const Divmod& by_last_band, Int* block,
+                           Int* slice) {
   if (causal) {
     // Work grows with the row block, so the longest row blocks go first and the short ones fill the tail of the
     // grid. Across all slices at once, though, the row blocks of one slice run far apart in time, and each reads
     // the slice's K/V from DRAM again (on the H200 that cost d=128 / 256 up to 14% / 19% at 512-2048 keys).
     // So the slices are cut into bands of `band` (the last band may be narrower), whose K/V fits in L2 together,
     // and the order is longest-first within each band, one band after the other.
-    const Int band_tiles = band * row_blocks;
-    const Int first_slice = tile / band_tiles * band;
-    const Int in_band = tile % band_tiles;
-    const Int width = min(band, slices - first_slice);
-    *block = in_band / width;
-    *slice = first_slice + in_band % width;
+    Int band_index, in_band, in_width;
+    by_band_tiles(band_index, in_band, tile);
+    const Int first_slice = band_index * band;
+    const Divmod& by_width = first_slice + band <= slices ? by_band : by_last_band;
+    by_width(*block, in_width, in_band);
+    *slice = first_slice + in_width;
   } else {
     // Equal work per block: the row blocks of one slice run together and share its K/V in L2.
-    *block = tile % row_blocks;
-    *slice = tile / row_blocks;
+    by_row_blocks(*slice, *block, tile);
   }
 }
 
@@ -169,11 +182,12 @@ __device__ __forceinline__ int next_key_tile(const AttentionParams& p, const Row
 template <class Traits, ForwardVariant kVariant>
 __device__ RowBlock locate_tile(const ForwardArgs<Traits>& args, uint32_t tile) {
   const TileGrid& grid = args.grid;
-  uint32_t block, slice;
-  split_tile(tile, args.p.causal, grid.row_blocks, grid.slices, grid.band, &block, &slice);
-  const uint32_t head = slice % grid.heads_q;
-  RowBlock rb = make_row_block<Traits>(args.p, slice / grid.heads_q, head, head / grid.group_size,
-                                       int64_t(grid.row_blocks - 1 - block) * Traits::kBlockM);
+  int block, slice, batch, head;
+  split_tile(int(tile), args.p.causal, int(grid.slices), int(grid.band), grid.by_row_blocks, grid.by_band_tiles,
+             grid.by_band, grid.by_last_band, &block, &slice);
+  grid.by_heads_q(batch, head, slice);
+  RowBlock rb = make_row_block<Traits>(args.p, batch, head, grid.by_group_size.div(head),
+                                       int64_t(int(grid.row_blocks) - 1 - block) * Traits::kBlockM);
   if constexpr (reads_bias_or_mask(kVariant)) {
     const AttentionParams& p = args.p;
     rb.mask_blocks = row_block_mask_blocks<Traits>(p, rb);
@@ -190,7 +204,9 @@ __device__ RowBlock locate_row_block(const AttentionBackwardParams& p) {
   const int64_t row_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   int64_t block, slice;
   const int64_t slices = p.heads_q * p.batch;  // one band: longest-first across every slice
-  split_tile<int64_t>(blockIdx.x, p.causal, row_blocks, slices, slices, &block, &slice);
+  const PlainDivmod<int64_t> by_row_blocks{row_blocks}, by_all_tiles{slices * row_blocks}, by_slices{slices};
+  split_tile<int64_t>(blockIdx.x, p.causal, slices, slices, by_row_blocks, by_all_tiles, by_slices, by_slices, &block,
+                      &slice);
   const int64_t head = slice % p.heads_q;
   return make_row_block<Traits>(p, slice / p.heads_q, head, head / (p.heads_q / p.heads_kv),
                                 (row_blocks - 1 - block) * Traits::kBlockM);

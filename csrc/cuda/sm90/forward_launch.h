@@ -241,7 +241,7 @@ constexpr bool wide_keys_by_default(int head_dim, int64_t seqlen_k) {
 // two-per-SM tile runs) for common-form calls of a head dim that has them and more than 64 query rows: unset, "" or
 // "auto" from the key lengths above, "1" always (at d=64 also in place of the long-rows tile), "0" never. Where the
 // three-per-SM tile runs (`three_per_sm`), the same switch picks its wide-keys form, by default from
-// kThreePerSmWideKeysMinSeqlenK keys.
+// kThreePerSmWideKeysMinSeqlenK keys. Each dispatch path reads it once, where it picks a tile or its wide form.
 // kernel_head_dim is the tile's (a narrowed build runs d=96 calls on the d=128 kernels).
 inline std::string wide_keys_switch(int kernel_head_dim, const AttentionParams& p, bool* wide_keys,
                                     bool three_per_sm = false) {
@@ -303,15 +303,15 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   }
   if (grid == 0) return {};
   const auto row_blocks = static_cast<uint32_t>(ceil_div(p.seqlen_q, Traits::kBlockM));
-  args.grid = TileGrid{grid, row_blocks, grid / row_blocks, static_cast<uint32_t>(p.heads_q),
-                       static_cast<uint32_t>(p.heads_q / p.heads_kv), grid / row_blocks};
+  uint32_t band = grid / row_blocks;  // every slice in one band: the causal order's default
   if (p.causal) {
-    if (std::string err = causal_band(p, persistent, sizeof(typename Traits::Element), args.grid.slices,
-                                      &args.grid.band);
+    if (std::string err = causal_band(p, persistent, sizeof(typename Traits::Element), grid / row_blocks, &band);
         !err.empty()) {
       return err;
     }
   }
+  args.grid = TileGrid::make(grid, row_blocks, static_cast<uint32_t>(p.heads_q),
+                             static_cast<uint32_t>(p.heads_q / p.heads_kv), band);
   if (persistent) {
     int64_t ctas = 0;
     if (std::string err = resident_ctas<Traits, kVariant>(&ctas); !err.empty()) return err;
@@ -347,10 +347,6 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
         return launch_tiles<Short, kVariant>(p, persistent, max_ctas, stream);
       }
     }
-    bool wide_keys = false;
-    if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
-      if (std::string err = wide_keys_switch(kHeadDim, p, &wide_keys); !err.empty()) return err;
-    }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kTwoPerSm)) {
       bool two_per_sm = false;
       if (std::string err = two_per_sm_switch(p, &two_per_sm); !err.empty()) return err;
@@ -374,6 +370,8 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
                                                                                               max_ctas, stream);
         }
         if constexpr (has_row_tile(kHeadDim, RowTile::kTwoPerSmWideKeys)) {
+          bool wide_keys = false;
+          if (std::string err = wide_keys_switch(kHeadDim, p, &wide_keys); !err.empty()) return err;
           if (wide_keys) {
             return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kTwoPerSmWideKeys>, kVariant>(
                 p, persistent, max_ctas, stream);
@@ -384,6 +382,8 @@ std::string launch_forward_variant(const AttentionParams& p, cudaStream_t stream
       }
     }
     if constexpr (kVariant == ForwardVariant::kCommon && has_row_tile(kHeadDim, RowTile::kWideKeys)) {
+      bool wide_keys = false;
+      if (std::string err = wide_keys_switch(kHeadDim, p, &wide_keys); !err.empty()) return err;
       if (wide_keys) {
         return launch_tiles<ForwardTraits<kHeadDim, Element, RowTile::kWideKeys>, kVariant>(p, persistent, max_ctas,
                                                                                           stream);

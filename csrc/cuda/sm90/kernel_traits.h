@@ -10,6 +10,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/fast_math.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -323,9 +324,36 @@ struct TileGrid {
   uint32_t tiles;       // row_blocks * slices
   uint32_t row_blocks;  // ceil(seqlen_q / block_m)
   uint32_t slices;      // heads_q * batch
-  uint32_t heads_q;
-  uint32_t group_size;  // heads_q / heads_kv
   uint32_t band;        // causal: slices per band of the longest-first order (forward_kernel.h split_tile)
+  // The divisions of forward_kernel.h split_tile and locate_tile (by these counts, heads_q and the GQA group), as a
+  // multiply-high and a shift each (cutlass::FastDivmod, built on the host by make): every warp of a CTA decodes
+  // every tile it runs, and as integer divisions (about 20 instructions each, MUFU.RCP among them) the decoding was a
+  // visible part of a short tile's per-tile code (Nsight Compute, d=64 causal 1k: 1,350 per-tile instructions per
+  // warp against cuDNN's 348; NOTES, fifty-third session). Kernel time, H100, d=64 causal 1k / 2k: -0.3-2.3% /
+  // -1.4-2.8% (NOTES, fifty-fourth session).
+  cutlass::FastDivmod by_row_blocks;  // not causal: tile -> (slice, row block)
+  cutlass::FastDivmod by_band_tiles;  // causal: band * row_blocks
+  cutlass::FastDivmod by_band;        // causal: a whole band's slices
+  cutlass::FastDivmod by_last_band;   // causal: the last band's slices (fewer where band does not divide slices)
+  cutlass::FastDivmod by_heads_q;     // slice -> (batch, head)
+  cutlass::FastDivmod by_group_size;  // head -> KV head (heads_q / heads_kv per KV head)
+
+  // The grid of `tiles` tiles (row_blocks * slices), its divisors included.
+  static TileGrid make(uint32_t tiles, uint32_t row_blocks, uint32_t heads_q, uint32_t group_size, uint32_t band) {
+    TileGrid g{};
+    g.tiles = tiles;
+    g.row_blocks = row_blocks;
+    g.slices = tiles / row_blocks;
+    g.band = band;
+    const uint32_t last_band = g.slices % band == 0 ? band : g.slices % band;
+    g.by_row_blocks = cutlass::FastDivmod(int(row_blocks));
+    g.by_band_tiles = cutlass::FastDivmod(int(band * row_blocks));
+    g.by_band = cutlass::FastDivmod(int(band));
+    g.by_last_band = cutlass::FastDivmod(int(last_band));
+    g.by_heads_q = cutlass::FastDivmod(int(heads_q));
+    g.by_group_size = cutlass::FastDivmod(int(group_size));
+    return g;
+  }
 };
 
 // Kernel arguments: the plain parameters, the tile numbering and the TMA descriptors (built per call).
