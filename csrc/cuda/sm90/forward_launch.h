@@ -303,9 +303,10 @@ std::string launch_tiles(const AttentionParams& p, bool persistent, int64_t max_
   }
   if (grid == 0) return {};
   const auto row_blocks = static_cast<uint32_t>(ceil_div(p.seqlen_q, Traits::kBlockM));
-  uint32_t band = grid / row_blocks;  // every slice in one band: the causal order's default
+  const uint32_t slices = grid / row_blocks;
+  uint32_t band = slices;  // every slice in one band: the causal order's default
   if (p.causal) {
-    if (std::string err = causal_band(p, persistent, sizeof(typename Traits::Element), grid / row_blocks, &band);
+    if (std::string err = causal_band(p, persistent, sizeof(typename Traits::Element), slices, &band);
         !err.empty()) {
       return err;
     }
