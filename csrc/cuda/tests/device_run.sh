@@ -32,7 +32,8 @@
 #                NCU_BWD_FAMILY=sm80 profiles the sm80 backward's instead
 #   kernel_times each kernel of one jitted backward and its duration (Nsight Compute), jax_flash and cuDNN, for the
 #                cases $KERNEL_TIMES_CASES ("head_dim:seqlen[:causal] ...", default d=64 and d=128 causal 1k);
-#                KERNEL_TIMES_FORWARD=1 times the forward instead
+#                KERNEL_TIMES_FORWARD=1 times the forward instead; each timing process is cut after
+#                $KERNEL_TIMES_PROCESS_LIMIT s (default 90) and fails its case only
 #   ncu_vs_cudnn Nsight Compute sections of the main backward kernel, jax_flash's and cuDNN's, case $NCU_VS_CASE
 #                (default 64:8192); NCU_VS_FORWARD=1 profiles the forward kernels instead
 #   ncu_ops      executed instructions per SASS opcode of the main forward (NCU_VS_FORWARD=1) or backward kernel,
@@ -429,19 +430,35 @@ ncu_ops() {
 
 # Which kernels one jitted backward (KERNEL_TIMES_FORWARD=1: forward) runs and how long each takes, jax_flash against
 # cuDNN (attention_kernel_times.py), for each case "head_dim:seqlen[:causal]" of $KERNEL_TIMES_CASES.
+# Each timing process has a limit of its own ($KERNEL_TIMES_PROCESS_LIMIT seconds, default 90), and a failed one does
+# not stop the others (the stage then exits 1): Nsight Compute has crashed a process (SIGSEGV) and hung at attach
+# before any kernel ran (fifty-fifth and fifty-sixth sessions), and in the fifty-sixth every later process of that
+# call hung too, so one failure cost the rest of the stage's cases. After a failure, what still runs on the GPU is
+# listed, for the log, and the timing processes left behind are killed before the next case starts.
 kernel_times() {
-  local case impl d s c csv tool="$repo/csrc/cuda/tests/attention_kernel_times.py" pass=()
+  local case impl d s c csv tool="$repo/csrc/cuda/tests/attention_kernel_times.py" pass=() rc=0 status
   [ "${KERNEL_TIMES_FORWARD:-0}" = 1 ] && pass=(--forward)
   for case in ${KERNEL_TIMES_CASES:-64:1024:causal 128:1024:causal}; do
     IFS=: read -r d s c <<<"$case"
     for impl in jax_flash_sm90 cudnn; do
       echo "== $impl d=$d seqlen=$s ${c:-non-causal}"
       csv="$out/kernel_times_${impl}_${d}_${s}${c:+_causal}${pass:+_forward}.csv"
-      (cd /tmp && ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
-        python3 "$tool" --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} "${pass[@]}" > "$csv") || return 1
-      python3 "$tool" --summarize "$csv" || return 1
+      (cd /tmp && timeout --kill-after=10 "${KERNEL_TIMES_PROCESS_LIMIT:-90}" \
+        ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+        python3 "$tool" --impl $impl --head-dim "$d" --seqlen "$s" ${c:+--causal} "${pass[@]}" > "$csv")
+      status=$?
+      if [ $status -eq 0 ]; then
+        python3 "$tool" --summarize "$csv" || rc=1
+        continue
+      fi
+      echo "failed (exit $status); Nsight Compute's last line: $(tail -n 1 "$csv")"
+      nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1 |
+        sed 's/^/  on the GPU: /'
+      pkill -9 -f "$tool"
+      rc=1
     done
   done
+  return $rc
 }
 
 # Which kernels a feature forward through JAX runs and how long each takes (feature_forward_probe.py: plain,
