@@ -4,23 +4,13 @@ and matching_prebuilt (the carried kernel library whose stamp is the tree's)."""
 
 import os
 import shutil
-import subprocess
 
 import pytest
-
-_DEVICE_RUN = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "tests", "device_run.sh")
-
-
-def _run_function(repo, name, before="", check=True):
-    """Runs device_run.sh's function `name` (with any arguments after it) alone, its text cut out of the script, in
-    `repo`, after `before`."""
-    function = name.split()[0]
-    script = f"{before}\nsource <(sed -n '/^{function}() {{/,/^}}/p' {_DEVICE_RUN}) && {name}"
-    return subprocess.run(["bash", "-c", script], cwd=repo, check=check, capture_output=True, text=True, timeout=60)
+from tool_scripts import run_device_run_function
 
 
 def _restore(repo):
-    _run_function(repo, "restore_source_times csrc CMakeLists.txt")
+    run_device_run_function(repo, "restore_source_times csrc CMakeLists.txt")
 
 
 def _resend(paths, ns):
@@ -66,7 +56,8 @@ def test_the_prebuilt_library_of_these_sources_is_chosen(tmp_path):
         (tmp_path / folder / "stamp").write_text(stamp + "\n")
 
     def chosen(stamp):
-        run = _run_function(tmp_path, "matching_prebuilt", f"kernel_stamp() {{ echo {stamp}; }}", check=False)
+        run = run_device_run_function(tmp_path, "matching_prebuilt", f"kernel_stamp() {{ echo {stamp}; }}",
+                                      check=False)
         return run.stdout.strip() if run.returncode == 0 else None
 
     assert chosen("base") == "prebuilt"

@@ -4,17 +4,10 @@ cases are still timed, the stage exits 1, and a timing process left behind by th
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
-
-_DEVICE_RUN = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "tests", "device_run.sh")
-
-_ROW = ('"{i}","1","python3","host","{name}","1","7","(256,1,1)","(132,1,1)","0","9.0",'
-        '"Command line profiler metrics","gpu__time_duration.sum","us","{us}"')
-_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
-           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+from tool_scripts import NCU_CSV_HEADER, ncu_csv_row, run_device_run_function
 
 # Stand-in ncu: the command line ends with `python3 TOOL --impl I --head-dim D --seqlen S ...`. At 2048 keys it
 # starts a process that names the tool (a target left behind), records its pid and hangs; otherwise it prints a CSV
@@ -36,8 +29,8 @@ for i in 0 1 2 3; do echo "ROW"; done
 
 
 def _fake_ncu():
-    row = _ROW.format(i="$i", name="forward_kernel", us="$((seqlen / 8))").replace('"', '\\"')
-    return _FAKE_NCU.replace("HEADER", _HEADER).replace("ROW", row)
+    row = ncu_csv_row("$i", "forward_kernel", "us", "$((seqlen / 8))").replace('"', '\\"')
+    return _FAKE_NCU.replace("HEADER", NCU_CSV_HEADER).replace("ROW", row)
 
 
 def _gone(pid: int) -> bool:
@@ -64,9 +57,7 @@ def test_a_hung_timing_process_fails_its_case_only(tmp_path):
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LEFT_BEHIND=str(left_behind),
                KERNEL_TIMES_CASES="64:1024:causal 64:2048:causal 128:4096", KERNEL_TIMES_PROCESS_LIMIT="2")
-    script = (f"repo={repo}; out={out}\n"
-              f"source <(sed -n '/^kernel_times() {{/,/^}}/p' {_DEVICE_RUN}) && kernel_times")
-    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = run_device_run_function(tmp_path, "kernel_times", f"repo={repo}; out={out}", check=False, env=env)
 
     assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()

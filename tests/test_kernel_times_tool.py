@@ -2,17 +2,12 @@
 unit) and keeps the kernels of the last call, the tail that the launches before it repeat twice."""
 
 import pytest
-from tool_scripts import load_tool
-
-HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
-          '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+from tool_scripts import NCU_CSV_HEADER, load_tool, ncu_csv_row
 
 
 def write_csv(path, launches):
-    rows = [f'"{i}","1","python3","host","{name}","1","7","(256,1,1)","(132,1,1)","0","9.0",'
-            f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"'
-            for i, (name, unit, value) in enumerate(launches)]
-    path.write_text("==PROF== Connected to process\n" + "\n".join([HEADER] + rows) + "\n")
+    rows = [ncu_csv_row(i, name, unit, value) for i, (name, unit, value) in enumerate(launches)]
+    path.write_text("==PROF== Connected to process\n" + "\n".join([NCU_CSV_HEADER] + rows) + "\n")
 
 
 def test_summarize_keeps_the_last_call(tmp_path, capsys):
