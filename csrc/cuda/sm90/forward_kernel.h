@@ -5,10 +5,15 @@
 //  - each consumer warpgroup owns 64 of the rows: S = Q K^T by WGMMA from shared memory, the shared score
 //    pipeline (per element as sm80 where the kernel form asks for it: softcap and ALiBi, plus bias and boolean mask
 //    in the dense form; forward_variant.h), an online-softmax step, O += P V by WGMMA with P from registers.
-// Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, so the softmax of tile n
-// runs while the tensor cores finish P V (intra-warpgroup overlap). Between consumers, a ring of named barriers
-// (one per consumer) makes their GEMM issues take turns (pingpong with two consumers; three at d=64 on long key
-// sequences, kernel_traits.h), so one warpgroup's softmax hides under the others' GEMMs.
+// Inside a consumer, the Q K^T of tile n is issued together with the P V of tile n-1, and the source waits for P V
+// after tile n's softmax. ptxas, though, puts that wait (an instruction without register inputs) at the top of the
+// softmax's basic block, so in the SASS (common form: d=64's three-per-SM, wide-keys and standard tiles, d=128, d=256)
+// P V retires before the softmax starts. Pinning it below the softmax (a branch the compiler cannot remove;
+// benchmarks/ab/pin_pv_wait_s57.patch) made the d=64 kernels 1-4% slower on an H200 (NOTES, fifty-seventh session): the
+// overlap that pays is across warpgroups. Between consumers, a ring of named barriers (one per consumer) makes their
+// GEMM issues take turns (pingpong with two consumers; three at d=64 on long key sequences, kernel_traits.h), so one
+// warpgroup's softmax hides under the others' GEMMs; with one consumer per CTA (the d=64 three-per-SM tiles), under the
+// other CTAs' on the SM.
 // Key tiles run last to first: a causal row block meets its diagonal (masked) tiles first. Causal grids run the
 // longest row blocks first, across bands of (batch, head) slices whose K/V fits in L2 (split_tile).
 //
