@@ -1,6 +1,6 @@
 """csrc/cuda/tests' device-side helpers, made testable here: one of its Python tools (such as
-attention_kernel_times.py) loaded as a module, one function of device_run.sh run alone, and the header of the
-Nsight Compute CSV that the tools read (its header and rows)."""
+attention_kernel_times.py) loaded as a module, one function of device_run.sh run alone, and the Nsight Compute CSV
+that the tools read (its header and rows)."""
 
 import importlib.util
 import os
